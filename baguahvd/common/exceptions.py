@@ -1,0 +1,81 @@
+"""Exceptions raised by baguahvd.
+
+Each one subclasses what Horovod raises in the same situation, so ``except`` clauses written
+for Horovod keep working.
+"""
+
+from __future__ import annotations
+
+NOT_INITIALIZED_MESSAGE = "Horovod has not been initialized; use hvd.init()."
+
+SHUT_DOWN_MESSAGE = (
+    "Horovod has been shut down. This was caused by an exception on one of the ranks or an "
+    "attempt to allreduce, allgather or broadcast a tensor after one of the ranks finished "
+    "execution. If the shutdown was caused by an exception, you should see the exception in "
+    "the log before the first shutdown message."
+)
+
+DUPLICATE_NAME_MESSAGE = (
+    "Requested to allreduce, allgather, or broadcast a tensor with the same name as another "
+    "tensor that is currently being processed.  If you want to request another tensor, use a "
+    "different tensor name."
+)
+
+
+class HorovodInternalError(RuntimeError):
+    """A collective failed; raised from ``synchronize()`` and the blocking collectives."""
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """The set of hosts changed during elastic training.
+
+    Args:
+        skip_sync: whether the state may skip its next ``sync()``.
+    """
+
+    def __init__(self, skip_sync: bool) -> None:
+        super().__init__()
+        self.skip_sync = skip_sync
+
+
+class HorovodVersionMismatchError(ImportError):
+    """The installed framework does not match the one baguahvd supports."""
+
+
+class NotInitializedError(ValueError):
+    """The API was used before ``hvd.init()``."""
+
+    def __init__(self, message: str = NOT_INITIALIZED_MESSAGE) -> None:
+        super().__init__(message)
+
+
+class CollectiveNotInitializedError(HorovodInternalError, NotInitializedError):
+    """A collective was submitted before ``hvd.init()``.
+
+    Horovod raises ``HorovodInternalError`` from collectives and ``ValueError`` from the
+    topology queries; this class is both, so either ``except`` clause catches it.
+    """
+
+
+class ShutDownError(HorovodInternalError):
+    """The engine has stopped: this rank or a peer called ``shutdown()``."""
+
+    def __init__(self, reason: str | None = None) -> None:
+        message = SHUT_DOWN_MESSAGE if reason is None else f"{SHUT_DOWN_MESSAGE} ({reason})"
+        super().__init__(message)
+
+
+class MismatchError(HorovodInternalError):
+    """Ranks submitted incompatible requests under one name; raised on every rank involved."""
+
+
+class DuplicateNameError(ValueError):
+    """A name was submitted while a request of the same name is still in flight on this rank."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"{DUPLICATE_NAME_MESSAGE} (name: {name})")
+        self.name = name
+
+
+class ProcessSetError(ValueError):
+    """A process set was used by a non-member, or was never registered."""

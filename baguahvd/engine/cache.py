@@ -1,0 +1,103 @@
+"""The response cache: lets steady-state training skip the metadata exchange.
+
+Every rank holds the same entries in the same slots, because entries are only added, used
+and evicted while processing responses that all ranks process in the same order. A rank
+then announces a pending request by one bit (its slot); a bitwise AND over the ranks says
+which cached collectives everybody has submitted, and a second vector of bits says which
+entries some rank found stale (same name, different shape/dtype/...), so all ranks evict
+them and negotiate those names in full again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import heapq
+from collections import OrderedDict
+
+import numpy as np
+
+from baguahvd.engine.messages import Response
+
+
+class Lookup(enum.Enum):
+    HIT = 0
+    STALE = 1
+    MISS = 2
+
+
+@dataclasses.dataclass
+class _Entry:
+    response: Response
+    signature: tuple[object, ...] | None
+    """This rank's own request signature; None where this rank had no request."""
+
+
+class ResponseCache:
+    """Fixed-capacity, least-recently-used map from (process set, key) to a response."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: dict[int, _Entry] = {}
+        self._slots: dict[tuple[int, str], int] = {}
+        self._recent: OrderedDict[int, None] = OrderedDict()
+        self._free = list(range(capacity))
+        # Slots whose process set does not include this rank: their bit is always set, so
+        # the AND over all ranks only depends on the members.
+        self.not_member = np.zeros(capacity, dtype=bool)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, process_set_id: int, key: str, signature: tuple[object, ...]) -> tuple[
+        Lookup, int
+    ]:
+        slot = self._slots.get((process_set_id, key))
+        if slot is None:
+            return Lookup.MISS, -1
+        if self._entries[slot].signature == signature:
+            return Lookup.HIT, slot
+        return Lookup.STALE, slot
+
+    def response(self, slot: int) -> Response:
+        return self._entries[slot].response
+
+    def put(
+        self, response: Response, signature: tuple[object, ...] | None, member: bool
+    ) -> None:
+        """Caches ``response`` (already executed by every rank), evicting the least recently
+        used entry when full."""
+        if self.capacity == 0:
+            return
+        ident = (response.process_set_id, response.key)
+        old = self._slots.get(ident)
+        if old is not None:
+            self.evict(old)
+        if not self._free:
+            self.evict(next(iter(self._recent)))
+        slot = heapq.heappop(self._free)
+        self._entries[slot] = _Entry(response, signature)
+        self._slots[ident] = slot
+        self._recent[slot] = None
+        self.not_member[slot] = not member
+
+    def touch(self, slot: int) -> None:
+        self._recent.move_to_end(slot)
+
+    def evict(self, slot: int) -> None:
+        entry = self._entries.pop(slot, None)
+        if entry is None:
+            return
+        del self._slots[(entry.response.process_set_id, entry.response.key)]
+        del self._recent[slot]
+        self.not_member[slot] = False
+        heapq.heappush(self._free, slot)
+
+    def evict_process_set(self, process_set_id: int) -> None:
+        for slot in [s for s, e in self._entries.items()
+                     if e.response.process_set_id == process_set_id]:
+            self.evict(slot)
+
+    def clear(self) -> None:
+        for slot in list(self._entries):
+            self.evict(slot)

@@ -1,0 +1,618 @@
+"""The engine: one background thread per process owns every collective call.
+
+User threads call :meth:`Engine.submit`, which queues a :class:`Request` and returns its
+:class:`Handle`. Each cycle the engine thread
+
+1. announces its pending requests: requests whose response is cached cost one bit each in a
+   bitwise AND over the ranks; the others are sent, with their metadata, to rank 0;
+2. (rank 0) matches requests by name across the members of their process set, checks they
+   agree, and broadcasts the list of collectives that are ready everywhere;
+3. fuses ready allreduces with the same dtype, op, factors and process set into buffers of up
+   to ``fusion_threshold`` bytes, runs everything in the agreed order and completes handles.
+
+A cycle starts as soon as a request is submitted, or after ``cycle_time_ms`` otherwise.
+Process sets with a single member never leave the calling thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from baguahvd.backends.base import Communicator, SelfCommunicator
+from baguahvd.backends.mpi import Controller
+from baguahvd.common.config import Config
+from baguahvd.common.exceptions import (
+    DuplicateNameError,
+    HorovodInternalError,
+    MismatchError,
+    ProcessSetError,
+    ShutDownError,
+)
+from baguahvd.common.ops import ReduceOp
+from baguahvd.engine import execute
+from baguahvd.engine.cache import Lookup, ResponseCache
+from baguahvd.engine.messages import OpType, RequestMeta, Response, build_response
+from baguahvd.engine.requests import Handle, Request
+
+logger = logging.getLogger("baguahvd.engine")
+
+GLOBAL_PROCESS_SET_ID = 0
+_JOIN_KEY = "join"
+# Flag bits of the last byte of the negotiation vector; a cleared bit means "yes".
+_FLAG_NOTHING_TO_SEND = 1
+_FLAG_NO_SHUTDOWN = 2
+
+
+@dataclasses.dataclass
+class ProcessSetState:
+    """A registered process set as the engine sees it."""
+
+    id: int
+    ranks: tuple[int, ...]
+    """Global ranks, sorted."""
+    comm: Communicator | None
+    """Communicator of the members; None on ranks outside the set."""
+
+    def includes(self, rank: int) -> bool:
+        return rank in self.ranks
+
+    def set_rank(self, rank: int) -> int:
+        return self.ranks.index(rank)
+
+
+class _Coordinator:
+    """Rank 0's table of requests that not every member has submitted yet."""
+
+    def __init__(self, stall_warning_s: float) -> None:
+        self.table: dict[tuple[int, str], dict[int, RequestMeta]] = {}
+        self.first_seen: dict[tuple[int, str], float] = {}
+        self.warned: set[tuple[int, str]] = set()
+        self.joined: list[int] = []
+        self.stall_warning_s = stall_warning_s
+
+    def add(self, metas: Sequence[RequestMeta]) -> None:
+        for meta in metas:
+            ident = (meta.process_set_id, meta.key)
+            if meta.op == OpType.JOIN:
+                if meta.rank not in self.joined:
+                    self.joined.append(meta.rank)
+                continue
+            self.table.setdefault(ident, {})[meta.rank] = meta
+            self.first_seen.setdefault(ident, time.monotonic())
+
+    def ready(
+        self, process_sets: dict[int, ProcessSetState], world_size: int
+    ) -> list[Response]:
+        responses = []
+        joined = set(self.joined)
+        for ident in list(self.table):
+            submitted = self.table[ident]
+            process_set = process_sets.get(ident[0])
+            if process_set is None:
+                metas = list(submitted.values())
+                responses.append(
+                    Response(
+                        key=metas[0].key,
+                        name=metas[0].name,
+                        op=metas[0].op,
+                        process_set_id=ident[0],
+                        error=f"{metas[0].name}: process set {ident[0]} was removed.",
+                    )
+                )
+                self._forget(ident)
+                continue
+            missing = [r for r in process_set.ranks if r not in submitted and r not in joined]
+            if missing:
+                continue
+            metas = [submitted[r] for r in process_set.ranks if r in submitted]
+            absent = tuple(r for r in process_set.ranks if r not in submitted)
+            responses.append(build_response(metas, process_set.ranks, absent))
+            self._forget(ident)
+        if len(self.joined) == world_size:
+            responses.append(
+                Response(
+                    key=_JOIN_KEY,
+                    name="join",
+                    op=OpType.JOIN,
+                    process_set_id=GLOBAL_PROCESS_SET_ID,
+                    last_joined=self.joined[-1],
+                )
+            )
+            self.joined = []
+        return responses
+
+    def _forget(self, ident: tuple[int, str]) -> None:
+        del self.table[ident]
+        self.first_seen.pop(ident, None)
+        self.warned.discard(ident)
+
+    def check_stalls(self, process_sets: dict[int, ProcessSetState]) -> None:
+        now = time.monotonic()
+        for ident, since in self.first_seen.items():
+            if ident in self.warned or now - since < self.stall_warning_s:
+                continue
+            self.warned.add(ident)
+            process_set = process_sets.get(ident[0])
+            submitted = self.table[ident]
+            members = process_set.ranks if process_set else ()
+            missing = [r for r in members if r not in submitted]
+            name = next(iter(submitted.values())).name
+            logger.warning(
+                "One or more tensors were submitted to be reduced, gathered or broadcasted by "
+                "subset of ranks and are waiting for remainder of ranks for more than %d "
+                "seconds. This may indicate that different ranks are trying to submit "
+                "different tensors or that only subset of ranks is submitting tensors, which "
+                "will cause deadlock.\nMissing ranks:\n%s: %s",
+                int(self.stall_warning_s),
+                name,
+                missing,
+            )
+
+
+class Engine:
+    """Negotiates, fuses and runs the collectives of this process (see module docstring)."""
+
+    def __init__(self, config: Config, controller: Controller) -> None:
+        self.config = config
+        self.controller = controller
+        self.rank = controller.rank
+        self.size = controller.size
+        self.process_sets: dict[int, ProcessSetState] = {
+            GLOBAL_PROCESS_SET_ID: ProcessSetState(
+                GLOBAL_PROCESS_SET_ID,
+                tuple(range(self.size)),
+                controller.create_group_comm(range(self.size))
+                if self.size > 1
+                else SelfCommunicator(),
+            )
+        }
+        self._next_process_set_id = 1
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._queue: list[Request] = []
+        self._inflight: set[tuple[int, str]] = set()
+        self._noname: dict[int, int] = {}
+        self._shutdown_requested = False
+        self._stopped: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        # Engine-thread state.
+        self._cache = ResponseCache(config.cache_capacity)
+        self._waiting_on_cache: dict[int, Request] = {}
+        self._stale_slots: set[int] = set()
+        self._to_send: list[Request] = []
+        self._sent: dict[tuple[int, str], Request] = {}
+        self._join_mode = False
+        self._buffers = execute.FusionBuffers()
+        self._coordinator = (
+            _Coordinator(config.stall_check_time_s) if self.rank == 0 else None
+        )
+        self.cycles = 0
+
+    # ----------------------------------------------------------------------------------
+    # Process sets
+
+    def register_process_set(self, ranks: Sequence[int]) -> int:
+        """Registers a process set collectively; call on every rank in the same order before
+        :meth:`start` (static sets) or through an ADD_PROCESS_SET request (dynamic)."""
+        ranks = tuple(sorted(ranks))
+        comm: Communicator | None
+        if len(ranks) == 1:
+            comm = SelfCommunicator() if ranks[0] == self.rank else None
+        else:
+            comm = self.controller.create_group_comm(ranks)
+        ident = self._next_process_set_id
+        self._next_process_set_id += 1
+        self.process_sets[ident] = ProcessSetState(ident, ranks, comm)
+        return ident
+
+    def _remove_process_set(self, ident: int) -> None:
+        state = self.process_sets.pop(ident, None)
+        if state is not None and state.comm is not None:
+            state.comm.free()
+        self._cache.evict_process_set(ident)
+
+    # ----------------------------------------------------------------------------------
+    # Lifecycle
+
+    def start(self) -> None:
+        if self.size == 1:
+            return
+        self._thread = threading.Thread(target=self._run, name="baguahvd-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stops the engine on every rank: the others notice in their next cycle."""
+        with self._lock:
+            self._shutdown_requested = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning(
+                    "the engine thread did not stop within %.0f s (a peer may have died)",
+                    timeout,
+                )
+        if self._stopped is None:
+            self._stopped = ShutDownError()
+        self._fail_everything(self._stopped)
+
+    @property
+    def running(self) -> bool:
+        return self._stopped is None
+
+    # ----------------------------------------------------------------------------------
+    # Submission (user threads)
+
+    def submit(
+        self,
+        op: OpType,
+        label: str,
+        process_set_id: int,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor] | None,
+        name: str | None = None,
+        reduce_op: ReduceOp = ReduceOp.SUM,
+        prescale: float = 1.0,
+        postscale: float = 1.0,
+        root: int = -1,
+        splits: Sequence[int] | None = None,
+        payload: Sequence[int] = (),
+    ) -> Handle:
+        """Queues a collective and returns its handle.
+
+        Args:
+            op: the collective.
+            label: Horovod's op name used in tensor names (``allreduce``,
+                ``grouped_allgather``...).
+            process_set_id: a registered process set this rank belongs to.
+            inputs: the tensors to send (already validated: contiguous, supported dtype).
+            outputs: preallocated outputs where their shape is known, else None.
+            name: the user's name; unnamed requests are matched by their order per process
+                set.
+            root: broadcast root as a rank of the process set.
+            splits: alltoall splits (dim-0 slices per member).
+        """
+        if self._stopped is not None:
+            raise self._stopped
+        state = self.process_sets.get(process_set_id)
+        title = label.split("_")[-1].capitalize() if label.startswith("grouped") else (
+            label.capitalize()
+        )
+        if state is None:
+            raise ProcessSetError(
+                f"{title}: Process set provided does not exist, or has not been registered."
+            )
+        if not state.includes(self.rank):
+            raise ProcessSetError(
+                f"{title}: Rank {self.rank} is not a member of the provided process set."
+            )
+        with self._lock:
+            if op == OpType.JOIN:
+                key = display = _JOIN_KEY
+            elif name is None:
+                count = self._noname.get(process_set_id, 0)
+                self._noname[process_set_id] = count + 1
+                key = f"noname.{count}"
+                display = f"{label}.noname.{count}"
+            else:
+                key = display = f"{label}.{name}"
+            ident = (process_set_id, key)
+            if ident in self._inflight:
+                raise DuplicateNameError(display)
+        first = inputs[0] if inputs else None
+        meta = RequestMeta(
+            key=key,
+            name=display,
+            op=op,
+            process_set_id=process_set_id,
+            rank=self.rank,
+            dtype=execute.dtype_name(first.dtype) if first is not None else "",
+            shapes=tuple(tuple(t.shape) for t in inputs),
+            device=_device_label(first),
+            reduce_op=ReduceOp(reduce_op),
+            prescale=float(prescale),
+            postscale=float(postscale),
+            root=root,
+            splits=None if splits is None else tuple(int(s) for s in splits),
+            payload=tuple(payload),
+        )
+        request = Request(meta, inputs, outputs)
+        if len(state.ranks) == 1:
+            self._run_alone(request, state)
+            return request.handle
+        with self._lock:
+            if self._stopped is not None:
+                raise self._stopped
+            self._inflight.add(ident)
+            self._queue.append(request)
+        self._wake.set()
+        return request.handle
+
+    def _run_alone(self, request: Request, state: ProcessSetState) -> None:
+        """A single-member process set: no negotiation, no communication."""
+        response = build_response([request.meta], state.ranks, ())
+        if request.meta.op == OpType.JOIN:
+            response = dataclasses.replace(response, last_joined=self.rank)
+        comm = state.comm if state.comm is not None else SelfCommunicator()
+        self._execute([(response, request)], comm)
+
+    # ----------------------------------------------------------------------------------
+    # The engine thread
+
+    def _run(self) -> None:
+        if self.config.thread_affinity:
+            cores = self.config.thread_affinity
+            try:
+                os.sched_setaffinity(0, {cores[self.rank % len(cores)]})
+            except (AttributeError, OSError) as exc:
+                logger.warning("could not pin the engine thread: %s", exc)
+        try:
+            while True:
+                self._wake.wait(self.config.cycle_time_ms / 1000.0)
+                self._wake.clear()
+                if not self._cycle():
+                    break
+            self._stopped = ShutDownError()
+        except BaseException as exc:  # noqa: BLE001 - the error is handed to every waiter
+            logger.exception("the engine stopped after an internal error")
+            self._stopped = HorovodInternalError(f"baguahvd engine failed: {exc!r}")
+        self._fail_everything(self._stopped)
+
+    def _cycle(self) -> bool:
+        """One negotiation round; returns False once the job is shutting down."""
+        self.cycles += 1
+        with self._lock:
+            new, self._queue = self._queue, []
+            shutting_down = self._shutdown_requested
+        for request in new:
+            self._admit(request)
+
+        capacity = self._cache.capacity
+        hits = self._cache.not_member.copy()
+        if self._waiting_on_cache:
+            hits[list(self._waiting_on_cache)] = True
+        valid = np.ones(capacity, dtype=bool)
+        if self._stale_slots:
+            valid[list(self._stale_slots)] = False
+            self._stale_slots.clear()
+        flags = 0xFF
+        if self._to_send:
+            flags &= ~_FLAG_NOTHING_TO_SEND
+        if shutting_down:
+            flags &= ~_FLAG_NO_SHUTDOWN
+        words = np.concatenate(
+            [np.packbits(hits), np.packbits(valid), np.array([flags], dtype=np.uint8)]
+        )
+        agreed = self.controller.bitwise_and(words)
+        span = (capacity + 7) // 8
+        ready = np.unpackbits(agreed[:span])[:capacity].astype(bool)
+        still_valid = np.unpackbits(agreed[span : 2 * span])[:capacity].astype(bool)
+        flags = int(agreed[-1])
+
+        for slot in np.flatnonzero(~still_valid).tolist():
+            ready[slot] = False
+            self._cache.evict(slot)
+            request = self._waiting_on_cache.pop(slot, None)
+            if request is not None:
+                self._to_send.append(request)
+
+        entries: list[tuple[Response, Request | None]] = []
+        for slot in np.flatnonzero(ready).tolist():
+            response = self._cache.response(slot)
+            self._cache.touch(slot)
+            entries.append((response, self._waiting_on_cache.pop(slot, None)))
+
+        negotiated: list[Response] = []
+        if not flags & _FLAG_NOTHING_TO_SEND:
+            negotiated = self._negotiate()
+            for response in negotiated:
+                request = self._sent.pop((response.process_set_id, response.key), None)
+                entries.append((response, request))
+        elif self._coordinator is not None and self._coordinator.first_seen:
+            self._coordinator.check_stalls(self.process_sets)
+
+        for unit in self._fuse(entries):
+            self._execute_unit(unit)
+        for response, request in entries[len(entries) - len(negotiated) :]:
+            self._remember(response, request)
+        return bool(flags & _FLAG_NO_SHUTDOWN)
+
+    def _admit(self, request: Request) -> None:
+        meta = request.meta
+        if (
+            self._join_mode
+            or self._cache.capacity == 0
+            or meta.op not in _CACHEABLE
+            or meta.key.startswith("noname.")
+        ):
+            self._to_send.append(request)
+            return
+        found, slot = self._cache.lookup(meta.process_set_id, meta.key, meta.signature())
+        if found is Lookup.HIT:
+            self._waiting_on_cache[slot] = request
+            return
+        if found is Lookup.STALE:
+            self._stale_slots.add(slot)
+        self._to_send.append(request)
+
+    def _negotiate(self) -> list[Response]:
+        metas = [request.meta for request in self._to_send]
+        for request in self._to_send:
+            self._sent[(request.meta.process_set_id, request.meta.key)] = request
+        self._to_send = []
+        gathered = self.controller.gather(metas)
+        payload: tuple[list[Response], tuple[int, ...]] | None = None
+        if self._coordinator is not None:
+            assert gathered is not None
+            for metas_of_rank in gathered:
+                self._coordinator.add(metas_of_rank)
+            responses = self._coordinator.ready(self.process_sets, self.size)
+            payload = (responses, tuple(self._coordinator.joined))
+            self._coordinator.check_stalls(self.process_sets)
+        responses, joined = self.controller.broadcast(payload)
+        join_mode = bool(joined)
+        if join_mode and not self._join_mode:
+            # Cached announcements cannot count ranks that joined: renegotiate in full.
+            self._to_send.extend(self._waiting_on_cache.values())
+            self._waiting_on_cache.clear()
+        self._join_mode = join_mode
+        return responses
+
+    def _remember(self, response: Response, request: Request | None) -> None:
+        """Caches a negotiated response; every rank calls this for the same responses in the
+        same order, so the caches stay identical."""
+        if (
+            response.error is not None
+            or response.op not in _CACHEABLE
+            or response.key.startswith("noname.")
+            or response.joined
+        ):
+            return
+        state = self.process_sets.get(response.process_set_id)
+        if state is None:
+            return
+        signature = None if request is None else request.meta.signature()
+        self._cache.put(response, signature, state.includes(self.rank))
+
+    def _fuse(
+        self, entries: list[tuple[Response, Request | None]]
+    ) -> list[list[tuple[Response, Request | None]]]:
+        threshold = self.config.fusion_threshold
+        units: list[list[tuple[Response, Request | None]]] = []
+        open_units: dict[tuple[object, ...], tuple[int, int]] = {}
+        for entry in entries:
+            response = entry[0]
+            fusable = (
+                threshold > 0
+                and response.op == OpType.ALLREDUCE
+                and response.error is None
+                and response.reduce_op != ReduceOp.ADASUM
+                and not (self.config.disable_group_fusion and len(response.shapes) > 1)
+            )
+            if not fusable:
+                units.append([entry])
+                continue
+            key = (
+                response.process_set_id,
+                response.dtype,
+                response.reduce_op,
+                response.prescale,
+                response.postscale,
+                response.device,
+            )
+            nbytes = response.nbytes(_itemsize(response.dtype))
+            found = open_units.get(key)
+            if found is not None and found[1] + nbytes <= threshold:
+                units[found[0]].append(entry)
+                open_units[key] = (found[0], found[1] + nbytes)
+            else:
+                open_units[key] = (len(units), nbytes)
+                units.append([entry])
+        return units
+
+    def _execute_unit(self, unit: list[tuple[Response, Request | None]]) -> None:
+        response = unit[0][0]
+        state = self.process_sets.get(response.process_set_id)
+        if state is None or state.comm is None:
+            return
+        self._execute(unit, state.comm)
+
+    def _execute(self, unit: list[tuple[Response, Request | None]], comm: Communicator) -> None:
+        """Runs one unit (a fused group of allreduces, or one other collective) and
+        completes its handles."""
+        response = unit[0][0]
+        requests = [request for _, request in unit if request is not None]
+        try:
+            if response.error is not None:
+                for request in requests:
+                    self._finish(request, error=MismatchError(response.error))
+                return
+            op = response.op
+            if op == OpType.ALLREDUCE:
+                execute.allreduce(comm, unit, self._buffers)
+                for request in requests:
+                    self._finish(request, request.outputs)
+                return
+            if op == OpType.BARRIER:
+                comm.barrier()
+            elif op == OpType.ADD_PROCESS_SET:
+                ident = self.register_process_set(response.payload)
+                for request in requests:
+                    self._finish(request, None, extra=ident)
+                return
+            elif op == OpType.REMOVE_PROCESS_SET:
+                self._remove_process_set(response.payload[0])
+            elif op == OpType.JOIN:
+                for request in requests:
+                    self._finish(request, None, extra=response.last_joined)
+                return
+            request = requests[0] if requests else None
+            if request is None:
+                return
+            if op == OpType.ALLGATHER:
+                self._finish(request, execute.allgather(comm, response, request),
+                             extra=response.first_dims)
+            elif op == OpType.BROADCAST:
+                self._finish(request, execute.broadcast(comm, response, request))
+            elif op == OpType.ALLTOALL:
+                outputs, received = execute.alltoall(comm, response, request)
+                self._finish(request, outputs, extra=received)
+            elif op == OpType.REDUCESCATTER:
+                self._finish(request, execute.reducescatter(comm, response, request))
+            else:
+                self._finish(request, None)
+        except Exception as exc:  # noqa: BLE001 - reported through the handles
+            logger.exception("%s failed", response.name)
+            error = HorovodInternalError(f"{response.name} failed: {exc}")
+            for request in requests:
+                if not request.handle.done():
+                    self._finish(request, error=error)
+
+    def _finish(
+        self,
+        request: Request,
+        result: list[torch.Tensor] | None = None,
+        extra: object = None,
+        error: BaseException | None = None,
+    ) -> None:
+        with self._lock:
+            self._inflight.discard((request.meta.process_set_id, request.meta.key))
+        if error is not None:
+            request.handle.fail(error)
+        else:
+            request.handle.complete(result, extra)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        with self._lock:
+            pending = [*self._queue, *self._to_send, *self._sent.values(),
+                       *self._waiting_on_cache.values()]
+            self._queue, self._to_send = [], []
+            self._sent.clear()
+            self._waiting_on_cache.clear()
+            self._inflight.clear()
+        for request in pending:
+            if not request.handle.done():
+                request.handle.fail(error)
+
+
+_CACHEABLE = frozenset(
+    {OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL, OpType.REDUCESCATTER}
+)
+
+
+def _itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=execute.DTYPES[dtype]).element_size()
+
+
+def _device_label(tensor: torch.Tensor | None) -> str:
+    if tensor is None or tensor.device.type == "cpu":
+        return "CPU"
+    return f"GPU:{tensor.device.index}"

@@ -1,0 +1,230 @@
+"""Runs agreed responses on a communicator: the tensor arithmetic of every collective.
+
+Scaling follows Horovod: ``result = postscale * REDUCE(prescale * x_r)``; integers are scaled
+in float64 and truncated toward zero, float16/bfloat16 in float32 and rounded once.
+``Average`` is ``Sum`` with the postscale divided by the group size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from baguahvd.backends.base import Communicator
+from baguahvd.common.ops import ReduceOp
+from baguahvd.engine.messages import Response
+from baguahvd.engine.requests import Request
+
+DTYPES: dict[str, torch.dtype] = {
+    str(dtype).replace("torch.", ""): dtype
+    for dtype in (
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.bool,
+    )
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """``tensor * factor`` computed the way Horovod does, as a new tensor of the same dtype."""
+    if tensor.dtype in (torch.float16, torch.bfloat16):
+        return (tensor.float() * factor).to(tensor.dtype)
+    if tensor.is_floating_point():
+        return tensor * factor
+    return torch.trunc(tensor.double() * factor).to(tensor.dtype)
+
+
+def scale_(tensor: torch.Tensor, factor: float) -> None:
+    if factor != 1.0:
+        if tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.bfloat16):
+            tensor.mul_(factor)
+        else:
+            tensor.copy_(scaled(tensor, factor))
+
+
+class FusionBuffers:
+    """One reusable flat buffer per dtype, grown on demand."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+
+    def get(self, dtype: torch.dtype, count: int, device: torch.device) -> torch.Tensor:
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() < count or buffer.device != device:
+            buffer = torch.empty(count, dtype=dtype, device=device)
+            self._buffers[dtype] = buffer
+        return buffer[:count]
+
+
+Entry = tuple[Response, "Request | None"]
+
+
+def _factors(response: Response, group_size: int) -> tuple[ReduceOp, float, float]:
+    op = response.reduce_op
+    post = response.postscale
+    if op == ReduceOp.AVERAGE:
+        return ReduceOp.SUM, response.prescale, post / group_size
+    return op, response.prescale, post
+
+
+def _inputs_outputs(
+    entry: Entry, dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    response, request = entry
+    if request is None:
+        # A member that joined: it contributes zeros and keeps nothing.
+        zeros = [torch.zeros(shape, dtype=dtype) for shape in response.shapes]
+        return zeros, zeros
+    assert request.outputs is not None
+    return request.inputs, request.outputs
+
+
+def allreduce(comm: Communicator, entries: Sequence[Entry], buffers: FusionBuffers) -> None:
+    """Allreduces every tensor of ``entries`` (same dtype, op and factors) in one call."""
+    first = entries[0][0]
+    dtype = DTYPES[first.dtype]
+    if first.reduce_op == ReduceOp.ADASUM:
+        for entry in entries:
+            inputs, outputs = _inputs_outputs(entry, dtype)
+            for tensor_in, tensor_out in zip(inputs, outputs):
+                adasum(comm, tensor_in, tensor_out, first.prescale, first.postscale)
+        return
+    op, pre, post = _factors(first, comm.size)
+    pairs = [pair for entry in entries for pair in zip(*_inputs_outputs(entry, dtype))]
+    if len(pairs) == 1:
+        tensor_in, tensor_out = pairs[0]
+        source = scaled(tensor_in, pre) if pre != 1.0 else tensor_in
+        comm.allreduce(source, tensor_out, op)
+        scale_(tensor_out, post)
+        return
+    total = sum(t.numel() for t, _ in pairs)
+    buffer = buffers.get(dtype, total, pairs[0][0].device)
+    offset = 0
+    for tensor_in, _ in pairs:
+        count = tensor_in.numel()
+        piece = buffer[offset : offset + count]
+        piece.copy_(tensor_in.reshape(-1))
+        scale_(piece, pre)
+        offset += count
+    comm.allreduce(buffer, buffer, op)
+    offset = 0
+    for _, tensor_out in pairs:
+        count = tensor_out.numel()
+        piece = buffer[offset : offset + count]
+        scale_(piece, post)
+        tensor_out.view(-1).copy_(piece)
+        offset += count
+
+
+def adasum(
+    comm: Communicator,
+    tensor_in: torch.Tensor,
+    tensor_out: torch.Tensor,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+) -> None:
+    """Adasum (Maleki et al., 2020) by recursive doubling over a power-of-two group.
+
+    At each level, partners ``r`` and ``r ^ d`` exchange their current vectors ``a`` (lower
+    rank) and ``b`` and both compute
+    ``(1 - a.b / (2|a|^2)) a + (1 - a.b / (2|b|^2)) b`` with the operands in the same order,
+    so every rank ends with bit-identical results. Dot products accumulate in float64.
+    """
+    work = tensor_in.reshape(-1).to(torch.float64) * prescale
+    distance = 1
+    while distance < comm.size:
+        peer = comm.rank ^ distance
+        other = torch.empty_like(work)
+        comm.sendrecv(work, other, peer)
+        a, b = (work, other) if comm.rank < peer else (other, work)
+        dot = torch.dot(a, b)
+        a_sq = torch.dot(a, a)
+        b_sq = torch.dot(b, b)
+        a_coeff = 1.0 - dot / (2.0 * a_sq) if a_sq > 0 else torch.tensor(1.0, dtype=a.dtype)
+        b_coeff = 1.0 - dot / (2.0 * b_sq) if b_sq > 0 else torch.tensor(1.0, dtype=a.dtype)
+        work = a_coeff * a + b_coeff * b
+        distance <<= 1
+    work *= postscale
+    if tensor_out.is_floating_point():
+        tensor_out.view(-1).copy_(work)
+    else:
+        tensor_out.view(-1).copy_(torch.trunc(work))
+
+
+def allgather(comm: Communicator, response: Response, request: Request) -> list[torch.Tensor]:
+    outputs = []
+    for index, tensor_in in enumerate(request.inputs):
+        dims = response.first_dims[index]
+        row = numel(tensor_in.shape[1:])
+        tensor_out = torch.empty(
+            (sum(dims), *tensor_in.shape[1:]), dtype=tensor_in.dtype, device=tensor_in.device
+        )
+        comm.allgather(tensor_in, tensor_out, [d * row for d in dims])
+        outputs.append(tensor_out)
+    return outputs
+
+
+def broadcast(comm: Communicator, response: Response, request: Request) -> list[torch.Tensor]:
+    assert request.outputs is not None
+    tensor_in, tensor_out = request.inputs[0], request.outputs[0]
+    if comm.rank == response.root and tensor_out is not tensor_in:
+        tensor_out.copy_(tensor_in)
+    comm.broadcast(tensor_out, response.root)
+    return [tensor_out]
+
+
+def alltoall(
+    comm: Communicator, response: Response, request: Request
+) -> tuple[list[torch.Tensor], list[int]]:
+    tensor_in = request.inputs[0]
+    row = numel(tensor_in.shape[1:])
+    sent = response.splits[comm.rank]
+    received = [splits[comm.rank] for splits in response.splits]
+    tensor_out = torch.empty(
+        (sum(received), *tensor_in.shape[1:]), dtype=tensor_in.dtype, device=tensor_in.device
+    )
+    comm.alltoall(tensor_in, [s * row for s in sent], tensor_out, [r * row for r in received])
+    return [tensor_out], received
+
+
+def reducescatter_rows(rows: int, group_size: int) -> list[int]:
+    """Rows of dim 0 each member receives: lower ranks get the remainder."""
+    base, extra = divmod(rows, group_size)
+    return [base + (1 if r < extra else 0) for r in range(group_size)]
+
+
+def reducescatter(
+    comm: Communicator, response: Response, request: Request
+) -> list[torch.Tensor]:
+    op, pre, post = _factors(response, comm.size)
+    outputs = []
+    for tensor_in in request.inputs:
+        rows = reducescatter_rows(tensor_in.shape[0], comm.size)
+        row = numel(tensor_in.shape[1:])
+        source = scaled(tensor_in, pre) if pre != 1.0 else tensor_in
+        tensor_out = torch.empty(
+            (rows[comm.rank], *tensor_in.shape[1:]),
+            dtype=tensor_in.dtype,
+            device=tensor_in.device,
+        )
+        comm.reduce_scatter(source.contiguous(), tensor_out, [r * row for r in rows], op)
+        scale_(tensor_out, post)
+        outputs.append(tensor_out)
+    return outputs

@@ -1,0 +1,260 @@
+"""What ranks tell each other about their requests, and what they agree to run.
+
+A :class:`RequestMeta` describes one submitted collective (no tensor data). Rank 0 collects
+them and, once every member of the process set has submitted a name, checks that they agree
+and turns them into one :class:`Response` that all ranks execute in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+from baguahvd.common.ops import ReduceOp
+
+
+class OpType(enum.IntEnum):
+    ALLREDUCE = 0
+    ALLGATHER = 1
+    BROADCAST = 2
+    ALLTOALL = 3
+    REDUCESCATTER = 4
+    BARRIER = 5
+    JOIN = 6
+    ADD_PROCESS_SET = 7
+    REMOVE_PROCESS_SET = 8
+
+    @property
+    def label(self) -> str:
+        """Horovod's spelling in messages: ``ALLREDUCE``."""
+        return self.name
+
+
+# Operations whose names Horovod prefixes with the op, e.g. ``allreduce.weights``.
+DATA_OPS = frozenset(
+    {OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL, OpType.REDUCESCATTER}
+)
+# First dimension may differ across ranks.
+RAGGED_OPS = frozenset({OpType.ALLGATHER, OpType.ALLTOALL})
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMeta:
+    """One rank's description of a submitted collective."""
+
+    key: str
+    """Negotiation key within the process set."""
+    name: str
+    """Name shown in messages, e.g. ``allreduce.fc1.weight``."""
+    op: OpType
+    process_set_id: int
+    rank: int
+    """Global rank of the submitter."""
+    dtype: str = ""
+    shapes: tuple[tuple[int, ...], ...] = ()
+    device: str = "CPU"
+    reduce_op: ReduceOp = ReduceOp.SUM
+    prescale: float = 1.0
+    postscale: float = 1.0
+    root: int = -1
+    """Broadcast root, as a rank of the process set."""
+    splits: tuple[int, ...] | None = None
+    """Alltoall: elements of dim 0 sent to each member."""
+    payload: tuple[int, ...] = ()
+    """Op-specific integers (the ranks of a process set being added or removed)."""
+
+    def signature(self) -> tuple[object, ...]:
+        """Everything that must match for a cached response to be reused by this rank."""
+        return (
+            self.op,
+            self.dtype,
+            self.shapes,
+            self.device,
+            self.reduce_op,
+            self.prescale,
+            self.postscale,
+            self.root,
+            self.splits,
+            self.payload,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+    """A collective every member of the process set runs, or an error they all raise."""
+
+    key: str
+    name: str
+    op: OpType
+    process_set_id: int
+    dtype: str = ""
+    shapes: tuple[tuple[int, ...], ...] = ()
+    device: str = "CPU"
+    reduce_op: ReduceOp = ReduceOp.SUM
+    prescale: float = 1.0
+    postscale: float = 1.0
+    root: int = -1
+    first_dims: tuple[tuple[int, ...], ...] = ()
+    """Allgather: per tensor, every member's dim 0 (member order)."""
+    splits: tuple[tuple[int, ...], ...] = ()
+    """Alltoall: every member's splits (member order)."""
+    payload: tuple[int, ...] = ()
+    error: str | None = None
+    joined: tuple[int, ...] = ()
+    """Members that have called join() and take part with zeros."""
+    last_joined: int = -1
+
+    def nbytes(self, itemsize: int) -> int:
+        """Bytes of the tensors of an allreduce response."""
+        total = 0
+        for shape in self.shapes:
+            count = 1
+            for dim in shape:
+                count *= dim
+            total += count
+        return total * itemsize
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _describe_first_mismatch(
+    metas: Sequence[RequestMeta], ranks: Sequence[int]
+) -> str | None:
+    """Returns a message naming the ranks and values of the first disagreement, or None."""
+    first = metas[0]
+    op = first.op
+    label = op.label
+    name = first.name
+    for meta in metas[1:]:
+        if meta.op != op:
+            return (
+                f"Mismatched operations for {name}: rank {first.rank} did an {label}, but "
+                f"rank {meta.rank} did an {meta.op.label}."
+            )
+    for meta in metas[1:]:
+        if meta.dtype != first.dtype:
+            return (
+                f"Mismatched data types for {name}: rank {first.rank} had type {first.dtype}, "
+                f"but rank {meta.rank} had type {meta.dtype}."
+            )
+    for meta in metas[1:]:
+        if len(meta.shapes) != len(first.shapes):
+            return (
+                f"Mismatched {label} group sizes for {name}: rank {first.rank} sent "
+                f"{len(first.shapes)} tensors, but rank {meta.rank} sent {len(meta.shapes)}."
+            )
+    for index, reference in enumerate(first.shapes):
+        member = "" if len(first.shapes) == 1 else f" (tensor {index} of the group)"
+        for meta in metas[1:]:
+            shape = meta.shapes[index]
+            if op in RAGGED_OPS:
+                if len(shape) != len(reference):
+                    return (
+                        f"Mismatched {label} tensor shapes for {name}{member}: rank "
+                        f"{first.rank} sent a tensor of rank {len(reference)}, but rank "
+                        f"{meta.rank} sent a tensor of rank {len(shape)}."
+                    )
+                for dim in range(1, len(shape)):
+                    if shape[dim] != reference[dim]:
+                        return (
+                            f"Mismatched {label} tensor shapes for {name}{member}: rank "
+                            f"{first.rank} sent a tensor with dimension {dim} equal to "
+                            f"{reference[dim]}, but rank {meta.rank} sent a tensor with "
+                            f"dimension {dim} equal to {shape[dim]}."
+                        )
+            elif shape != reference:
+                return (
+                    f"Mismatched {label} tensor shapes for {name}{member}: rank {first.rank} "
+                    f"sent a tensor of shape {_shape(reference)}, but rank {meta.rank} sent a "
+                    f"tensor of shape {_shape(shape)}."
+                )
+        if op in RAGGED_OPS and len(reference) == 0:
+            return f"Process-set rank zero tried to {label} a rank-zero tensor ({name})."
+    for meta in metas[1:]:
+        if meta.reduce_op != first.reduce_op:
+            return (
+                f"Mismatched reduction operation for {name}: rank {first.rank} sent reduction "
+                f"op {int(first.reduce_op)} ({first.reduce_op.name}), but rank {meta.rank} "
+                f"sent reduction op {int(meta.reduce_op)} ({meta.reduce_op.name})."
+            )
+    for meta in metas[1:]:
+        if (meta.prescale, meta.postscale) != (first.prescale, first.postscale):
+            return (
+                f"Mismatched prescale and/or postscale factors for {name}: rank {first.rank} "
+                f"sent factors ({first.prescale}, {first.postscale}), but rank {meta.rank} "
+                f"sent factors ({meta.prescale}, {meta.postscale})."
+            )
+    for meta in metas[1:]:
+        if meta.root != first.root:
+            return (
+                f"Mismatched {label} root ranks for {name}: rank {first.rank} specified root "
+                f"rank {ranks[first.root]}, but rank {meta.rank} specified root rank "
+                f"{ranks[meta.root]}."
+            )
+    for meta in metas[1:]:
+        if meta.device != first.device:
+            return (
+                f"Mismatched {label} CPU/GPU device selection for {name}: rank {first.rank} "
+                f"specified device {first.device}, but rank {meta.rank} specified device "
+                f"{meta.device}."
+            )
+    for meta in metas[1:]:
+        if meta.payload != first.payload:
+            return (
+                f"Mismatched {label} arguments for {name}: rank {first.rank} sent "
+                f"{list(first.payload)}, but rank {meta.rank} sent {list(meta.payload)}."
+            )
+    return None
+
+
+_JOIN_UNSUPPORTED = {
+    OpType.ALLGATHER: "Allgather is not supported with Join at this time. Specify "
+    "sparse_to_dense=True if using DistributedOptimizer",
+    OpType.BROADCAST: "Broadcast is not supported with Join at this time.",
+    OpType.ALLTOALL: "Alltoall is not supported with Join at this time.",
+    OpType.REDUCESCATTER: "Reducescatter is not supported with Join at this time.",
+}
+
+
+def build_response(
+    metas: Sequence[RequestMeta], ranks: Sequence[int], joined: Sequence[int]
+) -> Response:
+    """Agrees on one response from the members' requests (given in member order).
+
+    Args:
+        metas: the requests of the members that submitted (all of them unless some joined).
+        ranks: the process set's global ranks.
+        joined: global ranks of members that joined and take part without a request.
+    """
+    first = metas[0]
+    base = dict(key=first.key, name=first.name, op=first.op, process_set_id=first.process_set_id)
+    error = _describe_first_mismatch(metas, ranks)
+    if error is None and joined and first.op in _JOIN_UNSUPPORTED:
+        error = f"{_JOIN_UNSUPPORTED[first.op]} ({first.name}; joined ranks: {list(joined)})"
+    if error is not None:
+        return Response(**base, error=error)  # type: ignore[arg-type]
+    first_dims: tuple[tuple[int, ...], ...] = ()
+    if first.op == OpType.ALLGATHER:
+        first_dims = tuple(
+            tuple(meta.shapes[i][0] for meta in metas) for i in range(len(first.shapes))
+        )
+    splits: tuple[tuple[int, ...], ...] = ()
+    if first.op == OpType.ALLTOALL:
+        splits = tuple(meta.splits or () for meta in metas)
+    return Response(
+        **base,  # type: ignore[arg-type]
+        dtype=first.dtype,
+        shapes=first.shapes,
+        device=first.device,
+        reduce_op=first.reduce_op,
+        prescale=first.prescale,
+        postscale=first.postscale,
+        root=first.root,
+        first_dims=first_dims,
+        splits=splits,
+        payload=first.payload,
+        joined=tuple(joined),
+    )

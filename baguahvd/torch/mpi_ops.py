@@ -1,0 +1,1035 @@
+"""Horovod's collectives for torch tensors, in their four variants.
+
+``allreduce`` / ``allreduce_`` / ``allreduce_async`` / ``allreduce_async_`` (and the same for
+the other collectives) all submit one request to the engine. The async variants return an
+integer handle for :func:`poll` and :func:`synchronize`; the blocking variants wait, and
+the out-of-place ones are differentiable with Horovod's gradients.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from baguahvd.common import capabilities
+from baguahvd.common.basics import runtime
+from baguahvd.common.exceptions import HorovodInternalError, ProcessSetError
+from baguahvd.common.ops import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    to_reduce_op,
+)
+from baguahvd.common.process_sets import ProcessSet, global_process_set
+from baguahvd.engine.engine import GLOBAL_PROCESS_SET_ID, Engine
+from baguahvd.engine.messages import OpType
+from baguahvd.engine.requests import Handle
+from baguahvd.torch.compression import Compression
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "Max",
+    "Min",
+    "Product",
+    "Sum",
+    "allgather",
+    "allgather_async",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "alltoall",
+    "alltoall_async",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "join",
+    "poll",
+    "reducescatter",
+    "reducescatter_async",
+    "sparse_allreduce_async",
+    "synchronize",
+]
+
+_REDUCIBLE = frozenset(
+    {torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64}
+)
+_MOVABLE = _REDUCIBLE | {torch.uint8, torch.int8, torch.int16}
+
+
+# ---------------------------------------------------------------------------------------
+# Validation shared by every collective
+
+
+def _check_tensor(tensor: Any, allowed: frozenset[torch.dtype], what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}.")
+    if tensor.dtype not in allowed:
+        raise ValueError(f"Tensor type {tensor.type()} is not supported.")
+    if not tensor.is_contiguous():
+        raise ValueError("Tensor is required to be contiguous.")
+    if tensor.is_sparse:
+        raise ValueError(f"{what} expects a dense tensor; use sparse_allreduce_async.")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{what}: tensors on {tensor.device} are not supported.")
+    if tensor.device.type == "cuda":
+        raise HorovodInternalError(
+            f"{what}: CUDA tensors need baguahvd's GPU backend, which is not available in "
+            "this installation; install it with `pip install baguahvd[cuda12]`, or move the "
+            "tensor to the CPU."
+        )
+    return tensor
+
+
+def _check_group(tensors: Any, allowed: frozenset[torch.dtype], what: str) -> list[torch.Tensor]:
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError(f"{what} expects a non-empty list of tensors.")
+    checked = [_check_tensor(t, allowed, what) for t in tensors]
+    if len({t.device for t in checked}) > 1:
+        raise HorovodInternalError("Tensors in list must be on same device.")
+    if len({t.dtype for t in checked}) > 1:
+        raise ValueError(
+            f"{what} expects tensors of one dtype, got {sorted({str(t.dtype) for t in checked})}."
+        )
+    return checked
+
+
+def _process_set_id(process_set: ProcessSet, title: str) -> int:
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"{title}: process_set must be a ProcessSet, got {process_set!r}.")
+    if process_set.process_set_id is None:
+        raise ProcessSetError(
+            f"{title}: Process set provided does not exist, or has not been registered."
+        )
+    return process_set.process_set_id
+
+
+def _resolve_op(average: bool | None, op: int | None, default: ReduceOp = Average) -> ReduceOp:
+    if op is not None and average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    if average is not None:
+        warnings.warn(
+            "Parameter `average` has been replaced with `op` and will be removed in v1.0",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return Average if average else Sum
+    return default if op is None else to_reduce_op(op)
+
+
+def _check_adasum(engine: Engine, process_set_id: int, tensors: Sequence[torch.Tensor]) -> None:
+    if process_set_id != GLOBAL_PROCESS_SET_ID:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    size = engine.size
+    if size & (size - 1):
+        raise NotImplementedError("Running Adasum with non-power of 2 ranks is not supported yet.")
+    for tensor in tensors:
+        if not tensor.is_floating_point():
+            raise ValueError(f"Adasum needs floating-point tensors, got {tensor.dtype}.")
+
+
+def _register(handle: Handle, finish: Callable[[Handle], Any]) -> int:
+    return runtime.handles.add(handle, finish)
+
+
+def _first(handle: Handle) -> Any:
+    assert handle.result is not None
+    return handle.result[0]
+
+
+def _as_tuple(handle: Handle) -> Any:
+    assert handle.result is not None
+    return tuple(handle.result)
+
+
+# ---------------------------------------------------------------------------------------
+# Handles
+
+
+def poll(handle: int) -> bool:
+    """Returns True once the collective behind ``handle`` has finished; never blocks.
+
+    Raises:
+        ValueError: ``handle`` was never issued or has already been synchronized.
+    """
+    found = runtime.handles.get(handle)
+    if found is None:
+        raise ValueError(f"Handle {handle} was not created or has been cleared.")
+    return found.done()
+
+
+def synchronize(handle: int) -> Any:
+    """Waits for the collective behind ``handle`` and returns its output.
+
+    Returns ``None`` for an unknown or already-consumed handle.
+
+    Raises:
+        HorovodInternalError: the collective failed on this rank or across ranks.
+    """
+    entry = runtime.handles.pop(handle)
+    if entry is None:
+        return None
+    engine_handle, finish = entry
+    engine_handle.wait()
+    return finish(engine_handle)
+
+
+def _wait(handle: int) -> Handle:
+    entry = runtime.handles.pop(handle)
+    assert entry is not None
+    entry[0].wait()
+    return entry[0]
+
+
+# ---------------------------------------------------------------------------------------
+# Allreduce
+
+
+def _allreduce_submit(
+    tensors: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    label: str,
+    average: bool | None,
+    name: str | None,
+    op: int | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+) -> Handle:
+    reduce_op = _resolve_op(average, op)
+    engine = runtime.require_engine()
+    ident = _process_set_id(process_set, "Allreduce")
+    if reduce_op == ReduceOp.ADASUM:
+        _check_adasum(engine, ident, tensors)
+    return engine.submit(
+        OpType.ALLREDUCE,
+        label,
+        ident,
+        tensors,
+        outputs,
+        name=name,
+        reduce_op=reduce_op,
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+    )
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts an out-of-place allreduce; see :func:`allreduce`. Returns a handle."""
+    tensor = _check_tensor(tensor, _REDUCIBLE, "allreduce")
+    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    handle = _allreduce_submit(
+        [tensor], [output], "allreduce", average, name, op, prescale_factor,
+        postscale_factor, process_set,
+    )
+    return _register(handle, _first)
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts an in-place allreduce of ``tensor``; see :func:`allreduce`. Returns a handle."""
+    tensor = _check_tensor(tensor, _REDUCIBLE, "allreduce")
+    handle = _allreduce_submit(
+        [tensor], [tensor], "allreduce", average, name, op, prescale_factor,
+        postscale_factor, process_set,
+    )
+    return _register(handle, _first)
+
+
+class _AllreduceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: str | None,
+        op: ReduceOp,
+        prescale_factor: float,
+        postscale_factor: float,
+        process_set: ProcessSet,
+    ) -> torch.Tensor:
+        ctx.op = op
+        ctx.factors = (prescale_factor, postscale_factor)
+        ctx.process_set = process_set
+        return synchronize(
+            allreduce_async(
+                tensor, None, name, op, prescale_factor, postscale_factor, process_set
+            )
+        )
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        grad = allreduce(
+            grad_output.contiguous(),
+            op=ctx.op,
+            prescale_factor=ctx.factors[0],
+            postscale_factor=ctx.factors[1],
+            process_set=ctx.process_set,
+        )
+        return grad, None, None, None, None, None
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Reduces ``tensor`` over the ranks of ``process_set`` and returns the result.
+
+    ``result = postscale_factor * REDUCE(prescale_factor * tensor_r)`` over the members r.
+    The input is not modified. Differentiable: the gradient is the allreduce of the incoming
+    gradient with the same op and factors.
+
+    Args:
+        tensor: a contiguous int32, int64, float16, bfloat16, float32 or float64 tensor.
+        average: deprecated; True means ``op=Average``, False ``op=Sum``.
+        name: key that matches this request across ranks; ranks may submit named requests
+            in any order. Unnamed requests are matched by their order.
+        compression: compresses the tensor before sending (``Compression.fp16``...).
+        op: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``.
+        prescale_factor: multiplies each rank's tensor before the reduction.
+        postscale_factor: multiplies the reduced tensor.
+        process_set: the ranks taking part (default: all).
+
+    Raises:
+        HorovodInternalError: the ranks disagree on shape, dtype, op, factors or device
+            (raised on every rank involved), or the job has shut down.
+        ValueError: bad arguments, a name already in flight, or a foreign process set.
+    """
+    reduce_op = _resolve_op(average, op)
+    compressed, context = compression.compress(tensor)
+    summed = _AllreduceFunction.apply(
+        compressed, name, reduce_op, prescale_factor, postscale_factor, process_set
+    )
+    return compression.decompress(summed, context)
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """In-place :func:`allreduce`; returns ``tensor`` itself. Not differentiable."""
+    return synchronize(
+        allreduce_async_(
+            tensor, average, name, op, prescale_factor, postscale_factor, process_set
+        )
+    )
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts an out-of-place allreduce of a list of tensors as one unit; see
+    :func:`grouped_allreduce`."""
+    tensors = _check_group(tensors, _REDUCIBLE, "grouped_allreduce")
+    outputs = [torch.empty_like(t) for t in tensors]
+    handle = _allreduce_submit(
+        tensors, outputs, "grouped_allreduce", average, name, op, prescale_factor,
+        postscale_factor, process_set,
+    )
+    return _register(handle, _as_tuple)
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts an in-place grouped allreduce; see :func:`grouped_allreduce`."""
+    tensors = _check_group(tensors, _REDUCIBLE, "grouped_allreduce")
+    handle = _allreduce_submit(
+        tensors, tensors, "grouped_allreduce", average, name, op, prescale_factor,
+        postscale_factor, process_set,
+    )
+    return _register(handle, _as_tuple)
+
+
+class _GroupedAllreduceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        name: str | None,
+        op: ReduceOp,
+        prescale_factor: float,
+        postscale_factor: float,
+        process_set: ProcessSet,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.op = op
+        ctx.factors = (prescale_factor, postscale_factor)
+        ctx.process_set = process_set
+        return synchronize(
+            grouped_allreduce_async(
+                tensors, None, name, op, prescale_factor, postscale_factor, process_set
+            )
+        )
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
+        grads = grouped_allreduce(
+            [g.contiguous() for g in grad_outputs],
+            op=ctx.op,
+            prescale_factor=ctx.factors[0],
+            postscale_factor=ctx.factors[1],
+            process_set=ctx.process_set,
+        )
+        return (None, None, None, None, None, *grads)
+
+
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Allreduces a list of tensors as one unit (negotiated and completed together) and
+    returns a list of new tensors. Arguments as for :func:`allreduce`; differentiable."""
+    reduce_op = _resolve_op(average, op)
+    compressed, contexts = zip(*(compression.compress(t) for t in tensors)) if tensors else (
+        (), ()
+    )
+    reduced = _GroupedAllreduceFunction.apply(
+        name, reduce_op, prescale_factor, postscale_factor, process_set, *compressed
+    )
+    return [compression.decompress(t, c) for t, c in zip(reduced, contexts)]
+
+
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> tuple[torch.Tensor, ...]:
+    """In-place :func:`grouped_allreduce`; returns the input tensors as a tuple."""
+    return synchronize(
+        grouped_allreduce_async_(
+            tensors, average, name, op, prescale_factor, postscale_factor, process_set
+        )
+    )
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str | None, op: int, process_set: ProcessSet = global_process_set
+) -> Callable[[], torch.Tensor]:
+    """Starts a sparse allreduce as two allgathers (indices and values).
+
+    Returns a callable that waits and returns the reduced sparse tensor (duplicate indices
+    are kept, not coalesced; ``Average`` divides the values by the set size).
+    """
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise ValueError("sparse_allreduce_async expects a sparse COO tensor.")
+    reduce_op = to_reduce_op(op)
+    if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError("sparse_allreduce_async supports only Average and Sum.")
+    indices = tensor._indices().transpose(0, 1).contiguous()
+    values = tensor._values().contiguous()
+    index_handle = allgather_async(
+        indices, None if name is None else f"{name}.indices", process_set
+    )
+    value_handle = allgather_async(
+        values, None if name is None else f"{name}.values", process_set
+    )
+
+    def wait() -> torch.Tensor:
+        gathered_values = synchronize(value_handle)
+        gathered_indices = synchronize(index_handle)
+        if reduce_op == ReduceOp.AVERAGE:
+            size = process_set.size() or 1
+            gathered_values = gathered_values / size
+        if gathered_values.numel() == 0:
+            return torch.sparse_coo_tensor(
+                size=tensor.size(), dtype=tensor.dtype, device=tensor.device
+            )
+        return torch.sparse_coo_tensor(
+            gathered_indices.transpose(0, 1), gathered_values, size=tensor.size()
+        )
+
+    return wait
+
+
+# ---------------------------------------------------------------------------------------
+# Allgather
+
+
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> int:
+    """Starts an allgather; see :func:`allgather`. Returns a handle."""
+    tensor = _check_tensor(tensor, _MOVABLE, "allgather")
+    engine = runtime.require_engine()
+    handle = engine.submit(
+        OpType.ALLGATHER, "allgather", _process_set_id(process_set, "Allgather"), [tensor],
+        None, name=name,
+    )
+    return _register(handle, _first)
+
+
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts a grouped allgather; see :func:`grouped_allgather`. Returns a handle."""
+    tensors = _check_group(tensors, _MOVABLE, "grouped_allgather")
+    engine = runtime.require_engine()
+    handle = engine.submit(
+        OpType.ALLGATHER, "grouped_allgather", _process_set_id(process_set, "Allgather"),
+        tensors, None, name=name,
+    )
+    return _register(handle, _as_tuple)
+
+
+def _rows_of_this_rank(first_dims: Sequence[int], process_set: ProcessSet) -> tuple[int, int]:
+    member = process_set.rank() or 0
+    return sum(first_dims[:member]), first_dims[member]
+
+
+class _AllgatherFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet
+    ) -> torch.Tensor:
+        handle = _wait(allgather_async(tensor, name, process_set))
+        ctx.first_dims = handle.extra[0]
+        ctx.process_set = process_set
+        return _first(handle)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        reduced = allreduce(grad_output.contiguous(), op=Average, process_set=ctx.process_set)
+        offset, rows = _rows_of_this_rank(ctx.first_dims, ctx.process_set)
+        return reduced.narrow(0, offset, rows), None, None
+
+
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
+    """Concatenates every member's ``tensor`` along dimension 0, in rank order.
+
+    The first dimension may differ across ranks; the others must match. Differentiable: each
+    rank's gradient is its own rows of the gradient averaged over the set.
+
+    Args:
+        tensor: a contiguous tensor of at least one dimension (any Horovod dtype).
+        name: key that matches the request across ranks.
+        process_set: the ranks taking part.
+    """
+    if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
+        raise IndexError("tuple index out of range")
+    return _AllgatherFunction.apply(tensor, name, process_set)
+
+
+class _GroupedAllgatherFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, name: str | None, process_set: ProcessSet, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        handle = _wait(grouped_allgather_async(tensors, name, process_set))
+        ctx.first_dims = handle.extra
+        ctx.process_set = process_set
+        return _as_tuple(handle)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
+        reduced = grouped_allreduce(
+            [g.contiguous() for g in grad_outputs], op=Average, process_set=ctx.process_set
+        )
+        grads = []
+        for grad, dims in zip(reduced, ctx.first_dims):
+            offset, rows = _rows_of_this_rank(dims, ctx.process_set)
+            grads.append(grad.narrow(0, offset, rows))
+        return (None, None, *grads)
+
+
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> tuple[torch.Tensor, ...]:
+    """Allgathers each tensor of the list (negotiated together); returns a tuple.
+    Differentiable like :func:`allgather`."""
+    return _GroupedAllgatherFunction.apply(name, process_set, *tensors)
+
+
+# ---------------------------------------------------------------------------------------
+# Broadcast
+
+
+def _broadcast_submit(
+    tensor: torch.Tensor,
+    output: torch.Tensor,
+    root_rank: int,
+    name: str | None,
+    process_set: ProcessSet,
+) -> Handle:
+    engine = runtime.require_engine()
+    ident = _process_set_id(process_set, "Broadcast")
+    state = engine.process_sets.get(ident)
+    if state is None or not isinstance(root_rank, int) or root_rank not in state.ranks:
+        raise ValueError(
+            f"broadcast received invalid root rank {root_rank} for provided process set"
+        )
+    return engine.submit(
+        OpType.BROADCAST,
+        "broadcast",
+        ident,
+        [tensor],
+        [output],
+        name=name,
+        root=state.set_rank(root_rank),
+    )
+
+
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts an out-of-place broadcast; see :func:`broadcast`. Returns a handle."""
+    tensor = _check_tensor(tensor, _MOVABLE, "broadcast")
+    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return _register(_broadcast_submit(tensor, output, root_rank, name, process_set), _first)
+
+
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts an in-place broadcast; see :func:`broadcast`. Returns a handle."""
+    tensor = _check_tensor(tensor, _MOVABLE, "broadcast")
+    return _register(_broadcast_submit(tensor, tensor, root_rank, name, process_set), _first)
+
+
+class _BroadcastFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet
+    ) -> torch.Tensor:
+        ctx.root_rank = root_rank
+        ctx.process_set = process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        reduced = allreduce(grad_output.contiguous(), op=Average, process_set=ctx.process_set)
+        if runtime.rank() != ctx.root_rank:
+            reduced = reduced * 0
+        return reduced, None, None, None
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Returns the ``root_rank``'s ``tensor`` on every member; the input is not modified.
+
+    Args:
+        tensor: a contiguous tensor with the same shape and dtype on every rank.
+        root_rank: the sending rank, as a global rank that belongs to ``process_set``.
+        name: key that matches the request across ranks.
+        process_set: the ranks taking part.
+
+    Differentiable: the root receives the gradient averaged over the set, the others zeros.
+    """
+    return _BroadcastFunction.apply(tensor, root_rank, name, process_set)
+
+
+def broadcast_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """In-place :func:`broadcast`: overwrites ``tensor`` with the root's data and returns it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# ---------------------------------------------------------------------------------------
+# Alltoall
+
+
+def _normalize_splits(
+    tensor: torch.Tensor, splits: Any, group_size: int
+) -> tuple[list[int] | None, torch.device]:
+    if splits is None:
+        if tensor.dim() == 0:
+            return None, torch.device("cpu")
+        if tensor.shape[0] % group_size:
+            raise ValueError(
+                "splits not provided, but first dimension of tensor is not an even multiple "
+                "of the number of workers."
+            )
+        return [tensor.shape[0] // group_size] * group_size, torch.device("cpu")
+    if not isinstance(splits, torch.Tensor):
+        splits = torch.tensor(list(splits), dtype=torch.int32)
+    if splits.dtype != torch.int32:
+        raise ValueError("alltoall expects splits to contain 32-bit integer elements.")
+    if splits.dim() != 1:
+        raise ValueError("alltoall expects a 1D splits tensor")
+    values = [int(v) for v in splits.cpu().tolist()]
+    if len(values) != group_size:
+        raise ValueError("Number of entries in splits does not equal number of workers.")
+    if any(v < 0 for v in values):
+        raise ValueError(f"alltoall splits must not be negative, got {values}.")
+    first = tensor.shape[0] if tensor.dim() else 0
+    if sum(values) > first:
+        raise ValueError("Sum of splits entries is greater than the first dimension of tensor.")
+    return values, splits.device
+
+
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> int:
+    """Starts an alltoall; see :func:`alltoall`. ``synchronize`` returns
+    ``(received_tensor, received_splits)``."""
+    tensor = _check_tensor(tensor, _MOVABLE, "alltoall")
+    engine = runtime.require_engine()
+    ident = _process_set_id(process_set, "Alltoall")
+    state = engine.process_sets.get(ident)
+    group_size = len(state.ranks) if state is not None else 1
+    values, device = _normalize_splits(tensor, splits, group_size)
+    handle = engine.submit(
+        OpType.ALLTOALL, "alltoall", ident, [tensor], None, name=name, splits=values
+    )
+
+    def finish(done: Handle) -> tuple[torch.Tensor, torch.Tensor]:
+        received = torch.tensor(done.extra, dtype=torch.int32, device=device)
+        return _first(done), received
+
+    return _register(handle, finish)
+
+
+class _AlltoallFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None, process_set: ProcessSet
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received = received
+        ctx.rows = tensor.shape[0]
+        ctx.process_set = process_set
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor, _unused: Any) -> tuple[Any, ...]:
+        grad, _ = alltoall(
+            grad_output.contiguous(), splits=ctx.received, process_set=ctx.process_set
+        )
+        if grad.shape[0] < ctx.rows:
+            padding = grad.new_zeros((ctx.rows - grad.shape[0], *grad.shape[1:]))
+            grad = torch.cat([grad, padding])
+        return grad, None, None, None
+
+
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
+    """Scatters slices of ``tensor`` to the members and gathers the slices they send.
+
+    Args:
+        tensor: a contiguous tensor; its dimension 0 is cut into slices.
+        splits: rows sent to each member (list or int32 tensor of the set's size). Default:
+            equal slices, which needs dimension 0 divisible by the set size. Rows after
+            ``sum(splits)`` are not sent.
+        name: key that matches the request across ranks.
+        process_set: the ranks taking part.
+
+    Returns:
+        The received rows concatenated in rank order; with ``splits`` given, the pair
+        ``(received_tensor, received_splits)`` (int32, on the device of ``splits``).
+        Differentiable: the gradient is the reverse alltoall.
+    """
+    output, received = _AlltoallFunction.apply(tensor, splits, name, process_set)
+    if splits is None:
+        return output
+    return output, received
+
+
+# ---------------------------------------------------------------------------------------
+# Reducescatter
+
+
+def _reducescatter_op(op: int) -> ReduceOp:
+    reduce_op = to_reduce_op(op)
+    if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise HorovodInternalError("Reducescatter currently only supports AVERAGE and SUM.")
+    return reduce_op
+
+
+def _reducescatter_submit(
+    tensors: list[torch.Tensor],
+    label: str,
+    name: str | None,
+    op: int,
+    process_set: ProcessSet,
+    prescale_factor: float,
+    postscale_factor: float,
+) -> Handle:
+    reduce_op = _reducescatter_op(op)
+    for tensor in tensors:
+        if tensor.dim() == 0:
+            raise ValueError("Reducescatter does not support scalar inputs")
+    engine = runtime.require_engine()
+    return engine.submit(
+        OpType.REDUCESCATTER,
+        label,
+        _process_set_id(process_set, "Reducescatter"),
+        tensors,
+        None,
+        name=name,
+        reduce_op=reduce_op,
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+    )
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """Starts a reducescatter; see :func:`reducescatter`. Returns a handle."""
+    tensor = _check_tensor(tensor, _REDUCIBLE, "reducescatter")
+    handle = _reducescatter_submit(
+        [tensor], "reducescatter", name, op, process_set, prescale_factor, postscale_factor
+    )
+    return _register(handle, _first)
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """Starts a grouped reducescatter; see :func:`grouped_reducescatter`."""
+    tensors = _check_group(tensors, _REDUCIBLE, "grouped_reducescatter")
+    handle = _reducescatter_submit(
+        tensors, "grouped_reducescatter", name, op, process_set, prescale_factor,
+        postscale_factor,
+    )
+    return _register(handle, _as_tuple)
+
+
+def _reducescatter_grad(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    gathered = allgather(grad.contiguous(), process_set=ctx.process_set)
+    factor = ctx.factors[0] * ctx.factors[1]
+    if ctx.op == ReduceOp.SUM:
+        factor *= ctx.process_set.size() or 1
+    return gathered * factor if factor != 1 else gathered
+
+
+class _ReducescatterFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: str | None,
+        op: ReduceOp,
+        process_set: ProcessSet,
+        prescale_factor: float,
+        postscale_factor: float,
+    ) -> torch.Tensor:
+        ctx.op = op
+        ctx.process_set = process_set
+        ctx.factors = (prescale_factor, postscale_factor)
+        return synchronize(
+            reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
+        )
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        return _reducescatter_grad(ctx, grad_output), None, None, None, None, None
+
+
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """Reduces ``tensor`` over the members and returns this rank's slice of dimension 0.
+
+    Member r receives ``dim0 // n + (1 if r < dim0 % n else 0)`` rows; slices are contiguous
+    in rank order. Note Horovod's argument order (``op`` before ``process_set``, factors last)
+    and default ``op=Average``.
+
+    Args:
+        tensor: a contiguous tensor of at least one dimension, same shape on every rank.
+        name: key that matches the request across ranks.
+        compression: compresses the tensor before sending.
+        op: ``Average`` or ``Sum``.
+        process_set: the ranks taking part.
+        prescale_factor: multiplies each rank's tensor before the reduction.
+        postscale_factor: multiplies the result.
+
+    Differentiable: the gradient is the allgather of the incoming gradient (times the set
+    size for ``Sum``, times the factors).
+    """
+    reduce_op = _reducescatter_op(op)
+    compressed, context = compression.compress(tensor)
+    reduced = _ReducescatterFunction.apply(
+        compressed, name, reduce_op, process_set, prescale_factor, postscale_factor
+    )
+    return compression.decompress(reduced, context)
+
+
+class _GroupedReducescatterFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        name: str | None,
+        op: ReduceOp,
+        process_set: ProcessSet,
+        prescale_factor: float,
+        postscale_factor: float,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.op = op
+        ctx.process_set = process_set
+        ctx.factors = (prescale_factor, postscale_factor)
+        return synchronize(
+            grouped_reducescatter_async(
+                tensors, name, op, process_set, prescale_factor, postscale_factor
+            )
+        )
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
+        return (None,) * 5 + tuple(_reducescatter_grad(ctx, g) for g in grad_outputs)
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: int = Average,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """Reducescatters each tensor of the list (negotiated together); returns a list.
+    Arguments as for :func:`reducescatter`."""
+    reduce_op = _reducescatter_op(op)
+    pairs = [compression.compress(t) for t in tensors]
+    reduced = _GroupedReducescatterFunction.apply(
+        name, reduce_op, process_set, prescale_factor, postscale_factor, *(p[0] for p in pairs)
+    )
+    return [compression.decompress(t, p[1]) for t, p in zip(reduced, pairs)]
+
+
+# ---------------------------------------------------------------------------------------
+# Join and barrier
+
+
+def join(device: int = -1) -> int:
+    """Declares that this rank has no more data and waits until every rank has joined.
+
+    Until then, the other ranks' allreduces proceed with this rank contributing zeros
+    (``Average`` still divides by the full set size); other collectives fail while a rank
+    has joined. Returns the rank that joined last, the same on every rank.
+
+    Args:
+        device: accepted for compatibility; CPU tensors stand in for the zeros.
+    """
+    engine = runtime.require_engine()
+    handle = engine.submit(OpType.JOIN, "join", GLOBAL_PROCESS_SET_ID, [], None)
+    handle.wait()
+    return int(handle.extra)
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Blocks until every member of ``process_set`` has called it."""
+    engine = runtime.require_engine()
+    handle = engine.submit(
+        OpType.BARRIER, "barrier", _process_set_id(process_set, "Barrier"), [], None
+    )
+    handle.wait()
+
+
+def _check_has_gpu() -> bool:
+    return torch.cuda.is_available()
+
+
+def nccl_built() -> int:
+    return capabilities.nccl_built()
