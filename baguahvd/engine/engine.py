@@ -340,7 +340,7 @@ class Engine:
         """A single-member process set: no negotiation, no communication."""
         response = build_response([request.meta], state.ranks, ())
         if request.meta.op == OpType.JOIN:
-            response = dataclasses.replace(response, last_joined=self.rank)
+            response = response._replace(last_joined=self.rank)
         comm = state.comm if state.comm is not None else SelfCommunicator()
         self._execute([(response, request)], comm)
 
@@ -358,6 +358,7 @@ class Engine:
             while True:
                 self._wake.wait(self.config.cycle_time_ms / 1000.0)
                 self._wake.clear()
+                self._let_burst_finish()
                 if not self._cycle():
                     break
             self._stopped = ShutDownError()
@@ -365,6 +366,21 @@ class Engine:
             logger.exception("the engine stopped after an internal error")
             self._stopped = HorovodInternalError(f"baguahvd engine failed: {exc!r}")
         self._fail_everything(self._stopped)
+
+    def _let_burst_finish(self) -> None:
+        """Waits while requests keep arriving (at most one cycle time), so that a burst of
+        submissions, such as a backward pass, is negotiated and fused in one cycle instead
+        of the engine thread competing with the submitting thread for the GIL."""
+        count = len(self._queue)
+        if count == 0:
+            return
+        deadline = time.monotonic() + self.config.cycle_time_ms / 1000.0
+        while time.monotonic() < deadline:
+            time.sleep(2e-5)
+            now = len(self._queue)
+            if now == count:
+                return
+            count = now
 
     def _cycle(self) -> bool:
         """One negotiation round; returns False once the job is shutting down."""
@@ -608,8 +624,13 @@ _CACHEABLE = frozenset(
 )
 
 
+_ITEMSIZES = {
+    name: torch.empty((), dtype=dtype).element_size() for name, dtype in execute.DTYPES.items()
+}
+
+
 def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=execute.DTYPES[dtype]).element_size()
+    return _ITEMSIZES[dtype]
 
 
 def _device_label(tensor: torch.Tensor | None) -> str:

@@ -7,9 +7,9 @@ and turns them into one :class:`Response` that all ranks execute in the same ord
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from baguahvd.common.ops import ReduceOp
 
@@ -39,8 +39,7 @@ DATA_OPS = frozenset(
 RAGGED_OPS = frozenset({OpType.ALLGATHER, OpType.ALLTOALL})
 
 
-@dataclasses.dataclass(frozen=True)
-class RequestMeta:
+class RequestMeta(NamedTuple):
     """One rank's description of a submitted collective."""
 
     key: str
@@ -80,8 +79,7 @@ class RequestMeta:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class Response:
+class Response(NamedTuple):
     """A collective every member of the process set runs, or an error they all raise."""
 
     key: str
