@@ -164,18 +164,16 @@ class Controller:
     def bitwise_and(self, words: np.ndarray) -> np.ndarray:
         """Returns the bitwise AND of ``words`` over all ranks.
 
-        Waits by polling with short sleeps instead of MPI's busy wait, so idle or early ranks
-        leave the CPU to the others (ranks are often oversubscribed).
+        Waits by testing between short sleeps rather than in MPI's busy wait or a Python
+        spin: a sleeping thread leaves both the CPU (ranks are often oversubscribed) and the
+        GIL (the training thread needs it) to others.
         """
         result = np.empty_like(words)
         request = self.comm.Iallreduce([words, MPI.BYTE], [result, MPI.BYTE], op=MPI.BAND)
-        delay = 2e-5
-        spins = 0
+        delay = 5e-6
         while not request.Test():
-            spins += 1
-            if spins > 20:
-                time.sleep(delay)
-                delay = min(delay * 1.5, 1e-3)
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-4)
         return result
 
     def gather(self, payload: Any) -> list[Any] | None:
