@@ -96,7 +96,8 @@ class Runtime:
                 config = _with(config, dynamic_process_sets=True)
                 process_sets = None
             try:
-                self._start(config, comm, list(process_sets or ()))
+                sets = [] if isinstance(process_sets, str) else list(process_sets or ())
+                self._start(config, comm, sets)
             except (ValueError, NotImplementedError, TypeError):
                 raise
             except Exception as exc:

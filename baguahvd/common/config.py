@@ -71,7 +71,8 @@ class Config:
     timeline_mark_cycles: bool = False
     """Mark cycle starts in the timeline (HOROVOD_TIMELINE_MARK_CYCLES)."""
     hierarchical_allreduce: bool = False
-    """Reduce inside the node, allreduce across nodes, broadcast inside (HOROVOD_HIERARCHICAL_ALLREDUCE)."""
+    """Reduce inside the node, allreduce across nodes, broadcast inside
+    (HOROVOD_HIERARCHICAL_ALLREDUCE)."""
     hierarchical_allgather: bool = False
     """Gather inside the node first (HOROVOD_HIERARCHICAL_ALLGATHER)."""
     stall_check_disable: bool = False

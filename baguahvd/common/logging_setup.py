@@ -34,7 +34,8 @@ class _RankFormatter(logging.Formatter):
         if self.hide_time:
             return f"[{letter} rank {self.rank} {where}] {message}"
         stamp = self.formatTime(record, "%Y-%m-%d %H:%M:%S")
-        return f"[{stamp}.{int(record.msecs * 1000):06d}: {letter} rank {self.rank} {where}] {message}"
+        micros = int(record.msecs * 1000)
+        return f"[{stamp}.{micros:06d}: {letter} rank {self.rank} {where}] {message}"
 
 
 def configure(rank: int, level: str, hide_time: bool) -> None:

@@ -435,9 +435,9 @@ class Engine:
         for slot in np.flatnonzero(~still_valid).tolist():
             ready[slot] = False
             self._cache.evict(slot)
-            request = self._waiting_on_cache.pop(slot, None)
-            if request is not None:
-                self._to_send.append(request)
+            stale = self._waiting_on_cache.pop(slot, None)
+            if stale is not None:
+                self._to_send.append(stale)
 
         entries: list[tuple[Response, Request | None]] = []
         for slot in np.flatnonzero(ready).tolist():
@@ -449,15 +449,16 @@ class Engine:
         if not flags & _FLAG_NOTHING_TO_SEND:
             negotiated = self._negotiate()
             for response in negotiated:
-                request = self._sent.pop((response.process_set_id, response.key), None)
-                entries.append((response, request))
+                entries.append(
+                    (response, self._sent.pop((response.process_set_id, response.key), None))
+                )
         elif self._coordinator is not None and self._coordinator.first_seen:
             self._coordinator.check_stalls(self.process_sets)
 
         for unit in self._fuse(entries):
             self._execute_unit(unit)
-        for response, request in entries[len(entries) - len(negotiated) :]:
-            self._remember(response, request)
+        for response, own in entries[len(entries) - len(negotiated) :]:
+            self._remember(response, own)
         return bool(flags & _FLAG_NO_SHUTDOWN)
 
     def _admit(self, request: Request) -> None:
@@ -589,9 +590,9 @@ class Engine:
                 for request in requests:
                     self._finish(request, None, extra=response.last_joined)
                 return
-            request = requests[0] if requests else None
-            if request is None:
+            if not requests:
                 return
+            request = requests[0]
             if op == OpType.ALLGATHER:
                 self._finish(request, execute.allgather(comm, response, request),
                              extra=response.first_dims)

@@ -497,9 +497,10 @@ def sparse_allreduce_async(
             size = process_set.size() or 1
             gathered_values = gathered_values / size
         if gathered_values.numel() == 0:
-            return torch.sparse_coo_tensor(
-                size=tensor.size(), dtype=tensor.dtype, device=tensor.device
-            )
+            empty_indices = torch.empty((tensor.sparse_dim(), 0), dtype=torch.int64)
+            empty_values = torch.empty((0, *tensor.shape[tensor.sparse_dim():]),
+                                       dtype=tensor.dtype)
+            return torch.sparse_coo_tensor(empty_indices, empty_values, size=tensor.size())
         return torch.sparse_coo_tensor(
             gathered_indices.transpose(0, 1), gathered_values, size=tensor.size()
         )
