@@ -55,6 +55,7 @@ from baguahvd.torch.mpi_ops import (
     sparse_allreduce_async,
     synchronize,
 )
+from baguahvd.torch.optimizer import DistributedOptimizer
 
 init = _runtime.init
 shutdown = _runtime.shutdown
@@ -81,6 +82,7 @@ __all__ = [
     "Adasum",
     "Average",
     "Compression",
+    "DistributedOptimizer",
     "HorovodInternalError",
     "HostsUpdatedInterrupt",
     "Max",

@@ -1,0 +1,408 @@
+"""DistributedOptimizer: averages gradients across ranks while backward is still running.
+
+Each parameter's gradient is allreduced as soon as autograd has accumulated it (a
+post-accumulate-grad hook), so communication overlaps the rest of the backward pass;
+``step()`` waits for what is outstanding, then runs the wrapped optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from baguahvd.common.basics import runtime
+from baguahvd.common.ops import Adasum, Average, ReduceOp, to_reduce_op
+from baguahvd.common.process_sets import ProcessSet, global_process_set
+from baguahvd.torch.compression import Compression
+from baguahvd.torch.mpi_ops import (
+    allreduce_async_,
+    grouped_allreduce_async_,
+    sparse_allreduce_async,
+    synchronize,
+)
+
+_TOO_MANY_PASSES = (
+    "Gradients were computed more than backward_passes_per_step times before call to step(). "
+    "Increase backward_passes_per_step to accumulate gradients locally."
+)
+_ZERO_GRAD_RACE = (
+    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
+)
+_STEP_AFTER_SYNC = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
+    "code."
+)
+KNOWN_ALGORITHMS = ("gradient_allreduce",)
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods mixed into a subclass of the user's optimizer class (see the factory)."""
+
+    def __init__(
+        self,
+        params: Any,
+        named_parameters: Any,
+        compression: Any,
+        backward_passes_per_step: int,
+        op: ReduceOp,
+        gradient_predivide_factor: float,
+        groups: Any,
+        sparse_as_dense: bool,
+        process_set: ProcessSet,
+    ) -> None:
+        super(self.__class__, self).__init__(params)  # type: ignore[misc,call-arg]
+        self._compression = compression
+        named = _check_named_parameters(named_parameters, self.param_groups)
+        self._parameter_names: dict[torch.Tensor, str] = {p: name for name, p in named}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {p: backward_passes_per_step for _, p in named}
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._handles: dict[Any, tuple[Any, Any]] = {}
+        self._hook_handles: list[Any] = []
+        self._requires_update: set[torch.Tensor] = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._groups = _resolve_groups(groups, [p for _, p in named])
+        self._group_of: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {
+            p: group for group in self._groups for p in group
+        }
+        self._group_ready: dict[tuple[torch.Tensor, ...], set[torch.Tensor]] = {}
+        elastic = bool(runtime.config is not None and runtime.config.elastic)
+        if process_set.included() and (runtime.size() > 1 or elastic):
+            self._register_hooks()
+
+    # -- hooks -----------------------------------------------------------------------------
+
+    def _register_hooks(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._requires_update.add(p)
+                    self._hook_handles.append(
+                        p.register_post_accumulate_grad_hook(self._make_hook())
+                    )
+
+    def _make_hook(self) -> Any:
+        def hook(p: torch.Tensor) -> None:
+            handle = self._handles.get(p)
+            if handle is not None and handle[0] is not None and self._allreduce_delay[p] <= 0:
+                raise AssertionError(_TOO_MANY_PASSES)
+            if p in self._group_of and self._group_of[p] in self._handles:
+                raise AssertionError(_TOO_MANY_PASSES)
+            self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] > 0:
+                self._handles.setdefault(p, (None, None))
+                return
+            group = self._group_of.get(p)
+            if group is None:
+                self._handles[p] = self._allreduce_grad_async(p)
+                return
+            ready = self._group_ready.setdefault(group, set())
+            ready.add(p)
+            if len(ready) == len(group):
+                del self._group_ready[group]
+                self._handles[group] = self._grouped_allreduce_async(group)
+
+        return hook
+
+    def _factors(self) -> tuple[float, float]:
+        if self.op == ReduceOp.AVERAGE:
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[Any, Any]:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        name = self._parameter_names.get(p)
+        tensor = p.grad
+        if tensor.is_sparse:
+            if not self.sparse_as_dense:
+                return sparse_allreduce_async(tensor, name, self.op, self.process_set), "sparse"
+            tensor = tensor.to_dense()
+        compressed, ctx = self._compression.compress(tensor)
+        pre, post = self._factors()
+        handle = allreduce_async_(
+            compressed,
+            name=name,
+            op=self.op,
+            prescale_factor=pre,
+            postscale_factor=post,
+            process_set=self.process_set,
+        )
+        return handle, (ctx, compressed)
+
+    def _grouped_allreduce_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
+        tensors = []
+        contexts = []
+        for p in group:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+            compressed, ctx = self._compression.compress(grad)
+            tensors.append(compressed)
+            contexts.append(ctx)
+        pre, post = self._factors()
+        handle = grouped_allreduce_async_(
+            tensors,
+            name=self._parameter_names.get(group[0]),
+            op=self.op,
+            prescale_factor=pre,
+            postscale_factor=post,
+            process_set=self.process_set,
+        )
+        return handle, (contexts, tensors)
+
+    # -- synchronization ---------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Finishes the allreduce of every gradient and writes the results into ``.grad``.
+
+        Gradients whose hook has not fired (unused parameters, or fewer backward passes
+        than ``backward_passes_per_step``) are allreduced now, so that every rank submits
+        the same names.
+        """
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        launched: set[torch.Tensor] = set()
+        for key in self._handles:
+            launched.update(key if isinstance(key, tuple) else (key,))
+        for p in sorted(self._requires_update - launched, key=self._order):
+            group = self._group_of.get(p)
+            if group is not None:
+                if group not in self._handles:
+                    self._group_ready.pop(group, None)
+                    self._handles[group] = self._grouped_allreduce_async(group)
+            else:
+                self._handles[p] = self._allreduce_grad_async(p)
+        for key, (handle, _) in list(self._handles.items()):
+            if handle is None:
+                self._handles[key] = self._allreduce_grad_async(key)
+        for key, (handle, ctx) in self._handles.items():
+            if isinstance(key, tuple):
+                outputs = synchronize(handle)
+                contexts, _ = ctx
+                for p, output, c in zip(key, outputs, contexts):
+                    self._write_grad(p, self._compression.decompress(output, c))
+                    self._allreduce_delay[p] = self.backward_passes_per_step
+                continue
+            if ctx == "sparse":
+                self._write_grad(key, handle())
+            else:
+                output = synchronize(handle)
+                self._write_grad(key, self._compression.decompress(output, ctx[0]))
+            self._allreduce_delay[key] = self.backward_passes_per_step
+        self._handles.clear()
+        self._group_ready.clear()
+        self._synchronized = True
+
+    def _order(self, p: torch.Tensor) -> str:
+        return self._parameter_names.get(p, "")
+
+    @staticmethod
+    def _write_grad(p: torch.Tensor, value: torch.Tensor) -> None:
+        assert p.grad is not None
+        if p.grad.is_sparse:
+            p.grad = value if value.is_sparse else value.to_sparse()
+        elif value.data_ptr() != p.grad.data_ptr():
+            p.grad.copy_(value.to(p.grad.dtype).view_as(p.grad))
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this block ``step()`` does not synchronize; use it after calling
+        ``synchronize()`` yourself (e.g. to clip gradients)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if any(handle is not None for handle, _ in self._handles.values()):
+            raise AssertionError(_ZERO_GRAD_RACE)
+        return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Changes how many backward passes are accumulated locally before an allreduce."""
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._handles.clear()
+        self._group_ready.clear()
+        self._synchronized = False
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        super(self.__class__, self).load_state_dict(state_dict)  # type: ignore[misc]
+
+
+def _check_named_parameters(named_parameters: Any, param_groups: list[dict[str, Any]]) -> list[
+    tuple[str, torch.Tensor]
+]:
+    if named_parameters is None:
+        return [
+            (f"allreduce.noname.{i}.{j}", p)
+            for i, group in enumerate(param_groups)
+            for j, p in enumerate(group["params"])
+        ]
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) for item in named):
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), usually "
+            "produced by model.named_parameters()."
+        )
+    names = [name for name, _ in named]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(
+            "Parameter names in named_parameters must be unique. Found duplicates: "
+            + ", ".join(duplicates)
+        )
+    named_ids = {id(p) for _, p in named}
+    unnamed = [id(p) for group in param_groups for p in group["params"] if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError(
+            "named_parameters was specified, but one or more model parameters were not named. "
+            "Python object ids: " + ", ".join(str(i) for i in unnamed)
+        )
+    return named
+
+
+def _resolve_groups(groups: Any, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    if groups is None or groups == 0:
+        return []
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups < 0:
+            raise ValueError(
+                "groups should be a non-negative integer or a list of list of torch.Tensor."
+            )
+        from baguahvd.torch.functions import broadcast_object
+
+        # Rank 0's parameter order decides, so every rank forms the same groups.
+        order = broadcast_object(list(range(len(params))), 0, name="optimizer.groups")
+        ordered = [params[i] for i in order]
+        count = min(groups, len(ordered)) or 1
+        size, extra = divmod(len(ordered), count)
+        chunks, start = [], 0
+        for index in range(count):
+            stop = start + size + (1 if index < extra else 0)
+            if stop > start:
+                chunks.append(tuple(ordered[start:stop]))
+            start = stop
+        return chunks
+    if isinstance(groups, list):
+        seen: set[int] = set()
+        result = []
+        for group in groups:
+            if not isinstance(group, (list, tuple)):
+                raise ValueError(
+                    "groups should be a non-negative integer or a list of list of torch.Tensor."
+                )
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError("groups must consist of torch.Tensor.")
+                if id(p) in seen:
+                    raise ValueError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+            if group:
+                result.append(tuple(group))
+        return result
+    raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: Any = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
+    *,
+    algorithm: str | None = None,
+) -> torch.optim.Optimizer:
+    """Wraps ``optimizer`` so that gradients are averaged across ranks before each step.
+
+    The result is a new optimizer of a subclass of ``type(optimizer)`` (same class name),
+    built from ``optimizer.param_groups``; hooks start an allreduce for each gradient as soon
+    as it is ready, and ``step()`` waits for them.
+
+    Args:
+        optimizer: the optimizer to wrap.
+        named_parameters: ``model.named_parameters()``; names key the allreduces across ranks
+            (default: positional names).
+        compression: ``Compression.none``, ``.fp16`` or ``.bf16``.
+        backward_passes_per_step: backward passes accumulated locally per allreduce.
+        op: ``Average`` (default), ``Sum`` or ``Adasum``.
+        gradient_predivide_factor: with ``Average``, divide by this before the sum and
+            multiply after (the set size still divides).
+        num_groups: deprecated; use ``groups``.
+        groups: an int (split the parameters into that many fused groups) or a list of
+            lists of parameters, each allreduced as one unit.
+        sparse_as_dense: allreduce sparse gradients as dense tensors.
+        process_set: the ranks that average gradients.
+        algorithm: the communication algorithm (keyword only); default Horovod's allreduce,
+            or the ``BAGUAHVD_ALGORITHM`` setting.
+    """
+    reduce_op = to_reduce_op(op)
+    if gradient_predivide_factor != 1.0 and reduce_op != ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn(
+            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if groups is None:
+            groups = num_groups
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    chosen = algorithm
+    if chosen is None and runtime.config is not None:
+        chosen = runtime.config.algorithm
+    if chosen is not None and chosen not in KNOWN_ALGORITHMS:
+        raise ValueError(
+            f"Unknown algorithm {chosen!r}; known algorithms: {', '.join(KNOWN_ALGORITHMS)}."
+        )
+    if reduce_op == Adasum and runtime.size() > 1:
+        raise NotImplementedError(
+            "DistributedOptimizer with op=Adasum is not available yet; use op=Average."
+        )
+    cls = type(
+        optimizer.__class__.__name__,
+        (optimizer.__class__,),
+        dict(_DistributedOptimizer.__dict__),
+    )
+    return cls(  # type: ignore[no-any-return]
+        optimizer.param_groups,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        reduce_op,
+        gradient_predivide_factor,
+        groups,
+        sparse_as_dense,
+        process_set,
+    )
