@@ -226,6 +226,10 @@ class Runtime:
 
         return mpi.threads_supported()
 
+    def gloo_enabled(self) -> bool:
+        """Gloo is never used by baguahvd."""
+        return False
+
     def mpi_enabled(self) -> bool:
         """Whether MPI is in use at run time: it always is for baguahvd when available."""
         return capabilities.mpi_built()

@@ -68,14 +68,10 @@ cross_size = _runtime.cross_size
 cross_rank = _runtime.cross_rank
 is_homogeneous = _runtime.is_homogeneous
 mpi_enabled = _runtime.mpi_enabled
+gloo_enabled = _runtime.gloo_enabled
 mpi_threads_supported = _runtime.mpi_threads_supported
 add_process_set = _runtime.add_process_set
 remove_process_set = _runtime.remove_process_set
-
-
-def gloo_enabled() -> bool:
-    """Gloo is never used by baguahvd."""
-    return False
 
 
 __all__ = [
