@@ -108,6 +108,9 @@ class Runtime:
                 self._atexit_registered = True
 
     def _start(self, config: Config, comm: Any, process_sets: list[ProcessSet]) -> None:
+        from baguahvd.backends import prepare_mpi
+
+        prepare_mpi(config.mpi_threads_disable)
         from baguahvd.backends import mpi
 
         world = mpi.world()

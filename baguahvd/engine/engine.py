@@ -197,7 +197,11 @@ class Engine:
         self._join_mode = False
         self._buffers = execute.FusionBuffers()
         self._coordinator = (
-            _Coordinator(config.stall_check_time_s) if self.rank == 0 else None
+            _Coordinator(
+                float("inf") if config.stall_check_disable else config.stall_check_time_s
+            )
+            if self.rank == 0
+            else None
         )
         self.cycles = 0
 
