@@ -93,7 +93,13 @@ def broadcast_optimizer_state(
         optimizer: the optimizer (plain or ``DistributedOptimizer``).
         root_rank: the rank whose state everybody takes.
         model: accepted for compatibility with Horovod; not needed.
+
+    Raises:
+        ValueError: ``optimizer`` is a ``torch.optim.LBFGS``, whose state Horovod refuses to
+            broadcast.
     """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
     state = optimizer.state_dict()
     tensors: list[torch.Tensor] = []
     skeleton = _split_tensors(state, tensors) if runtime.rank() == root_rank else None
