@@ -565,6 +565,10 @@ class Engine:
             return
         self._execute(unit, state.comm)
 
+    # Grad mode is per thread and on by default, here as in the user's thread (single-member
+    # sets): the collectives write users' tensors as raw buffers, leaves that require grad
+    # included, and their outputs must not join anyone's autograd graph.
+    @torch.no_grad()
     def _execute(self, unit: list[tuple[Response, Request | None]], comm: Communicator) -> None:
         """Runs one unit (a fused group of allreduces, or one other collective) and
         completes its handles."""
