@@ -22,12 +22,12 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from baguahvd.backends.base import Communicator, SelfCommunicator
-from baguahvd.backends.mpi import Controller
 from baguahvd.common.config import Config
 from baguahvd.common.exceptions import (
     DuplicateNameError,
@@ -41,6 +41,11 @@ from baguahvd.engine import execute
 from baguahvd.engine.cache import Lookup, ResponseCache
 from baguahvd.engine.messages import OpType, RequestMeta, Response, build_response
 from baguahvd.engine.requests import Handle, Request
+
+if TYPE_CHECKING:
+    # Importing baguahvd.backends.mpi starts MPI; that must wait for init(), which picks the
+    # thread level first (HOROVOD_MPI_THREADS_DISABLE).
+    from baguahvd.backends.mpi import Controller
 
 logger = logging.getLogger("baguahvd.engine")
 
