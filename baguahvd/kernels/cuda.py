@@ -1,0 +1,320 @@
+"""Launches the ``csrc/*.cu`` kernels on CUDA tensors through CuPy's NVRTC.
+
+Nothing here runs at import time. The first CUDA tensor that reaches a kernel makes the
+loader import CuPy (in :func:`_import_cupy`, the only place this package touches it),
+compile the sources once per device with ``cupy.RawModule`` and keep the module. Kernels run
+on the tensor's current torch stream and see the tensors' memory through DLPack, without
+copies. Without CuPy the loader reports that once and the callers fall back to torch.
+
+The launch geometry mirrors the constants at the top of ``csrc/baguahvd_math.cuh``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from baguahvd.kernels.layout import HEADER_BYTES, MinMaxUInt8Layout, dtype_suffix
+from baguahvd.kernels.sources import NVRTC_OPTIONS, nvrtc_source
+
+logger = logging.getLogger(__name__)
+
+THREADS = 256
+HEADER_THREADS = 32
+MAX_BLOCKS = 4096
+MINMAX_ITEMS_PER_THREAD = 16
+MAX_MINMAX_BLOCKS = 128
+
+Launch = tuple[str, tuple[int, ...], int, Sequence[object]]
+"""One kernel launch: name, grid, threads per block, arguments."""
+
+KERNELS = (
+    "minmax_uint8_partial",
+    "minmax_uint8_header",
+    "compress_minmax_uint8",
+    "decompress_minmax_uint8",
+    "decompress_add_minmax_uint8",
+    "decompress_reduce_minmax_uint8",
+    "reduce_chunks",
+    "average_inplace",
+    "add_inplace",
+    "subtract_inplace",
+    "addmul_inplace",
+    "scale_inplace",
+    "divide_inplace",
+    "async_model_average",
+    "lowprec_decentralized_diff",
+)
+"""Kernel families; each exists as ``<family>_<f32|f16|bf16>`` (``extern "C"``)."""
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def grid_blocks(work: int) -> int:
+    """Blocks of a grid-stride launch over ``work`` items (``bhvd::grid_blocks``)."""
+    return min(max(_ceil_div(work, THREADS), 1), MAX_BLOCKS)
+
+
+def minmax_blocks_per_chunk(chunk: int) -> int:
+    """Blocks per chunk of the min/max first pass (``bhvd::minmax_blocks_per_chunk``)."""
+    return min(max(_ceil_div(chunk, THREADS * MINMAX_ITEMS_PER_THREAD), 1), MAX_MINMAX_BLOCKS)
+
+
+def _import_cupy() -> Any | None:
+    # The one CuPy import of the kernels package (DESIGN.md keeps CuPy behind explicit seams):
+    # deferred to the first CUDA tensor because importing CuPy is slow and needs a driver.
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy
+
+
+class CudaKernels:
+    """The compiled kernels of one device and the launches that use them."""
+
+    def __init__(self, cupy: Any, module: Any, device: torch.device) -> None:
+        self._cupy = cupy
+        self._module = module
+        self._device = device
+        self._functions: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def _function(self, name: str) -> Any:
+        with self._lock:
+            fn = self._functions.get(name)
+            if fn is None:
+                fn = self._module.get_function(name)
+                self._functions[name] = fn
+            return fn
+
+    def _array(self, tensor: torch.Tensor) -> Any:
+        # DLPack refuses tensors that require grad; the kernels only touch their data.
+        tensor = tensor.detach()
+        # CuPy has no bfloat16; 16-bit tensors travel as their raw words.
+        if tensor.element_size() == 2 and tensor.is_floating_point():
+            tensor = tensor.view(torch.int16)
+        return self._cupy.from_dlpack(tensor)
+
+    def _launch(self, *launches: Launch) -> None:
+        """Runs ``launches`` in order on the device's current torch stream.
+
+        Each distinct tensor argument is handed to CuPy (DLPack, no copy) once per call.
+        """
+        cupy = self._cupy
+        index = self._device.index
+        torch_stream = torch.cuda.current_stream(self._device)
+        arrays: dict[int, Any] = {}
+        with cupy.cuda.Device(index):
+            # RawKernel launches on CuPy's current stream: make it torch's.
+            with cupy.cuda.ExternalStream(torch_stream.cuda_stream, index):
+                for name, grid, block, args in launches:
+                    converted = []
+                    for arg in args:
+                        if isinstance(arg, torch.Tensor):
+                            if id(arg) not in arrays:
+                                arrays[id(arg)] = self._array(arg)
+                            arg = arrays[id(arg)]
+                        converted.append(arg)
+                    self._function(name)(grid, (block,), tuple(converted))
+
+    def compress(
+        self,
+        tensor: torch.Tensor,
+        layout: MinMaxUInt8Layout,
+        out: torch.Tensor,
+        target_chunk: int | None,
+    ) -> torch.Tensor:
+        """See :func:`baguahvd.kernels.torch_impl.compress`."""
+        sfx = dtype_suffix(tensor.dtype)
+        chunk, slot = layout.chunk_size, layout.slot_bytes
+        first = 0 if target_chunk is None else target_chunk
+        rows = layout.n_chunks if target_chunk is None else 1
+        blocks = minmax_blocks_per_chunk(chunk)
+        workspace = torch.empty(2 * rows * blocks, dtype=torch.float32, device=tensor.device)
+        numel, chunk_ll, slot_ll = np.int64(layout.numel), np.int64(chunk), np.int64(slot)
+        first_i = np.int32(first)
+        self._launch(
+            (
+                f"minmax_uint8_partial_{sfx}",
+                (blocks, rows),
+                THREADS,
+                (tensor, numel, chunk_ll, first_i, workspace),
+            ),
+            (
+                f"minmax_uint8_header_{sfx}",
+                (rows,),
+                HEADER_THREADS,
+                (workspace, np.int32(blocks), numel, chunk_ll, first_i, out, slot_ll),
+            ),
+            (
+                f"compress_minmax_uint8_{sfx}",
+                (grid_blocks(slot - HEADER_BYTES), rows),
+                THREADS,
+                (tensor, numel, chunk_ll, first_i, out, slot_ll),
+            ),
+        )
+        return out
+
+    def decompress(
+        self, buffer: torch.Tensor, layout: MinMaxUInt8Layout, out: torch.Tensor
+    ) -> torch.Tensor:
+        """See :func:`baguahvd.kernels.torch_impl.decompress`."""
+        if layout.numel:
+            self._launch(
+                (
+                    f"decompress_minmax_uint8_{dtype_suffix(out.dtype)}",
+                    (grid_blocks(layout.chunk_size), layout.n_chunks),
+                    THREADS,
+                    (
+                        buffer,
+                        np.int64(layout.numel),
+                        np.int64(layout.chunk_size),
+                        np.int64(layout.slot_bytes),
+                        out,
+                    ),
+                )
+            )
+        return out
+
+    def decompress_add_(
+        self, tensor: torch.Tensor, buffer: torch.Tensor, layout: MinMaxUInt8Layout
+    ) -> torch.Tensor:
+        """See :func:`baguahvd.kernels.torch_impl.decompress_add_`."""
+        if layout.numel:
+            self._launch(
+                (
+                    f"decompress_add_minmax_uint8_{dtype_suffix(tensor.dtype)}",
+                    (grid_blocks(layout.chunk_size), layout.n_chunks),
+                    THREADS,
+                    (
+                        buffer,
+                        np.int64(layout.numel),
+                        np.int64(layout.chunk_size),
+                        np.int64(layout.slot_bytes),
+                        tensor,
+                    ),
+                )
+            )
+        return tensor
+
+    def decompress_reduce(
+        self,
+        buffer: torch.Tensor,
+        layout: MinMaxUInt8Layout,
+        out: torch.Tensor,
+        average: bool,
+    ) -> torch.Tensor:
+        """See :func:`baguahvd.kernels.torch_impl.decompress_reduce`."""
+        if layout.chunk_size:
+            self._launch(
+                (
+                    f"decompress_reduce_minmax_uint8_{dtype_suffix(out.dtype)}",
+                    (grid_blocks(layout.chunk_size),),
+                    THREADS,
+                    (
+                        buffer,
+                        np.int32(layout.n_chunks),
+                        np.int64(layout.chunk_size),
+                        np.int64(layout.slot_bytes),
+                        np.int32(average),
+                        out,
+                    ),
+                )
+            )
+        return out
+
+    def reduce_chunks(
+        self, tensor: torch.Tensor, n_chunks: int, out: torch.Tensor, average: bool
+    ) -> torch.Tensor:
+        """See :func:`baguahvd.kernels.torch_impl.reduce_chunks`."""
+        chunk = tensor.numel() // n_chunks
+        if chunk:
+            self._launch(
+                (
+                    f"reduce_chunks_{dtype_suffix(tensor.dtype)}",
+                    (grid_blocks(chunk),),
+                    THREADS,
+                    (tensor, np.int32(n_chunks), np.int64(chunk), np.int32(average), out),
+                )
+            )
+        return out
+
+    def elementwise(
+        self, op: str, tensors: Sequence[torch.Tensor], scalars: Sequence[float] = ()
+    ) -> torch.Tensor:
+        """Runs the in-place elementwise kernel ``<op>_<dtype>`` on ``tensors[0]``.
+
+        The kernel signature is ``(tensors..., scalars as float..., long long n)``.
+        """
+        x = tensors[0]
+        n = x.numel()
+        if n:
+            args: list[object] = list(tensors)
+            args.extend(np.float32(s) for s in scalars)
+            args.append(np.int64(n))
+            self._launch((f"{op}_{dtype_suffix(x.dtype)}", (grid_blocks(n),), THREADS, args))
+        return x
+
+
+class CudaKernelLoader:
+    """Compiles the kernels once per device, on first use, and hands them out.
+
+    Thread-safe. Holds all the loader's state (CuPy module, compiled modules per device), so
+    that nothing mutable lives at module level.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cupy: Any | None = None
+        self._probed = False
+        self._kernels: dict[int, CudaKernels] = {}
+
+    def _cupy_module(self) -> Any | None:
+        if not self._probed:
+            self._probed = True
+            self._cupy = _import_cupy()
+            if self._cupy is None:
+                logger.warning(
+                    "CuPy is not installed: baguahvd kernels on CUDA tensors run as torch ops "
+                    "(slower); install cupy-cuda12x for the CUDA kernels"
+                )
+        return self._cupy
+
+    def available(self) -> bool:
+        """Whether CuPy can be imported (the CUDA kernels can be used at all)."""
+        with self._lock:
+            return self._cupy_module() is not None
+
+    def kernels_for(self, device: torch.device) -> CudaKernels | None:
+        """Returns the compiled kernels for a CUDA ``device``, or None without CuPy.
+
+        Raises:
+            RuntimeError: NVRTC rejected the sources (a broken install, never expected).
+        """
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            kernels = self._kernels.get(index)
+            if kernels is not None:
+                return kernels
+            cupy = self._cupy_module()
+            if cupy is None:
+                return None
+            with cupy.cuda.Device(index):
+                try:
+                    module = cupy.RawModule(code=nvrtc_source(), options=NVRTC_OPTIONS)
+                    module.compile()
+                except Exception as exc:
+                    raise RuntimeError(
+                        f"compiling the baguahvd CUDA kernels failed: {exc}"
+                    ) from exc
+            kernels = CudaKernels(cupy, module, torch.device("cuda", index))
+            self._kernels[index] = kernels
+            return kernels
