@@ -56,6 +56,11 @@ class CollectiveNotInitializedError(HorovodInternalError, NotInitializedError):
     topology queries; this class is both, so either ``except`` clause catches it.
     """
 
+    def __init__(self, message: str = NOT_INITIALIZED_MESSAGE) -> None:
+        # RuntimeError precedes NotInitializedError in the MRO, so its __init__ (which has
+        # no default message) would otherwise be the one called.
+        super().__init__(message)
+
 
 class ShutDownError(HorovodInternalError):
     """The engine has stopped: this rank or a peer called ``shutdown()``."""
