@@ -273,6 +273,34 @@ class Runtime:
         process_set.process_set_id = int(handle.extra)
         return process_set
 
+    def internal_process_set(self, ranks: Sequence[int]) -> ProcessSet:
+        """A registered process set of exactly ``ranks`` for baguahvd's own use (hierarchical
+        algorithms): an existing one when registered already, else one added now, whatever
+        HOROVOD_DYNAMIC_PROCESS_SETS says. Collective: every rank calls it with the same
+        ranks, in the same order."""
+        engine = self.require_engine()
+        ranks = sorted(ranks)
+        _check_ranks(ranks, self.size())
+        for ident, state in list(engine.process_sets.items()):
+            if list(state.ranks) == ranks:
+                if ident == GLOBAL_PROCESS_SET_ID:
+                    return global_process_set
+                existing = ProcessSet(ranks)
+                existing.process_set_id = ident
+                return existing
+        handle = engine.submit(
+            OpType.ADD_PROCESS_SET,
+            "add_process_set",
+            GLOBAL_PROCESS_SET_ID,
+            [],
+            None,
+            payload=ranks,
+        )
+        handle.wait()
+        created = ProcessSet(ranks)
+        created.process_set_id = int(handle.extra)
+        return created
+
     def remove_process_set(self, process_set: ProcessSet) -> bool:
         """Unregisters a process set (collectively); False for the global or an unknown set."""
         engine = self.require_engine()

@@ -102,6 +102,8 @@ class Config:
     """CPU cores for the engine thread, indexed by local rank (HOROVOD_THREAD_AFFINITY)."""
     algorithm: str | None = None
     """Default communication algorithm of DistributedOptimizer (BAGUAHVD_ALGORITHM)."""
+    bucket_bytes: int = 10 * 1024 * 1024
+    """Bucket size of the Bagua algorithms in bytes (BAGUAHVD_BUCKET_SIZE; Bagua's 10 MiB)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -148,6 +150,9 @@ class Config:
             num_nccl_streams=max(1, int(_as_number(env, "NUM_NCCL_STREAMS", 1, int))),
             thread_affinity=affinity,
             algorithm=_lookup(env, "ALGORITHM", horovod_alias=False),
+            bucket_bytes=max(
+                1, int(_as_number(env, "BUCKET_SIZE", cls.bucket_bytes, int))
+            ),
         )
 
 

@@ -1,0 +1,226 @@
+"""The algorithm framework: a config object per algorithm and an implementation with hooks.
+
+An :class:`Algorithm` holds hyperparameters only and validates them when constructed.
+``reify(context)`` binds it to a wrapped optimizer and returns an :class:`AlgorithmImpl`,
+whose hooks ``DistributedOptimizer`` calls:
+
+- ``on_backward(p)``: the gradient of ``p`` has been accumulated (called during backward);
+- ``synchronize()``: before the optimizer step: finish the communication of this step and
+  leave its result in ``p.grad`` or in the weights;
+- ``step(closure)``: runs the optimizer step (algorithms that replace it override this);
+- ``post_step()``: after the optimizer step;
+- ``close()``: the optimizer is discarded or baguahvd shuts down.
+
+The defaults implement bucketed gradient communication: gradients are grouped into buckets
+(:mod:`baguahvd.algorithms.buckets`) in the same order on every rank, a bucket is launched
+as soon as all its gradients are ready and every earlier bucket has been launched, and one
+worker thread per optimizer runs the buckets' communication in launch order while backward
+continues. Gradient algorithms only override :meth:`GradientAlgorithmImpl.communicate`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from baguahvd.algorithms.buckets import Bucket, split_into_buckets
+from baguahvd.common.process_sets import ProcessSet
+
+DEFAULT_BUCKET_BYTES = 10 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class AlgorithmContext:
+    """What an algorithm is bound to."""
+
+    optimizer: torch.optim.Optimizer
+    """The DistributedOptimizer (an instance of the user's optimizer class)."""
+    parameters: list[tuple[str, torch.Tensor]]
+    """Trainable parameters with their names, in the wrapped optimizer's order."""
+    process_set: ProcessSet
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    @property
+    def size(self) -> int:
+        return int(self.process_set.size() or 1)
+
+    @property
+    def rank(self) -> int:
+        return int(self.process_set.rank() or 0)
+
+
+class Algorithm(abc.ABC):
+    """Hyperparameters of a communication algorithm; subclasses validate in ``__init__``."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
+        """Binds the algorithm to an optimizer."""
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
+
+
+class Worker:
+    """Runs submitted jobs one after another on a thread of its own.
+
+    Errors are kept and re-raised by :meth:`wait`, in the thread that waits.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._idle:
+            self._pending += 1
+        self._jobs.put(job)
+
+    def wait(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                if self._error is None:
+                    with torch.no_grad():
+                        job()
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+                self._error = exc
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+
+class AlgorithmImpl:
+    """Hooks with working defaults; see the module docstring."""
+
+    def __init__(self, algorithm: Algorithm, context: AlgorithmContext) -> None:
+        self.algorithm = algorithm
+        self.context = context
+        self.step_id = 0
+        """Optimizer steps taken so far."""
+
+    def on_backward(self, p: torch.Tensor) -> None:
+        """The gradient of ``p`` is ready."""
+
+    def synchronize(self) -> None:
+        """Finishes this step's communication before the optimizer step."""
+
+    def step(self, closure: Any, optimizer_step: Callable[[Any], Any]) -> Any:
+        """Runs the optimizer step; ``optimizer_step`` is the wrapped optimizer's."""
+        return optimizer_step(closure)
+
+    def post_step(self) -> None:
+        """Called after every optimizer step."""
+        self.step_id += 1
+
+    def close(self) -> None:
+        """Stops background work."""
+
+
+class GradientAlgorithmImpl(AlgorithmImpl):
+    """Bucketed gradient communication overlapping backward (see the module docstring)."""
+
+    alignment_by_size: ClassVar[bool] = False
+    """Pad every bucket to a multiple of the process-set size (compressed algorithms)."""
+
+    def __init__(self, algorithm: Algorithm, context: AlgorithmContext) -> None:
+        super().__init__(algorithm, context)
+        alignment = context.size if self.alignment_by_size else 1
+        self.buckets: list[Bucket] = split_into_buckets(
+            context.parameters, context.bucket_bytes, alignment
+        )
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._ready: set[int] = set()
+        self._next = 0
+        self._worker = Worker(f"baguahvd-{algorithm.name}")
+
+    def on_backward(self, p: torch.Tensor) -> None:
+        self._ready.add(id(p))
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if not all(id(q) in self._ready for q in bucket.params):
+                return
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        self._next += 1
+        bucket.gather_grads()
+        self._worker.submit(lambda: self.communicate(bucket))
+
+    def synchronize(self) -> None:
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+        try:
+            self._worker.wait()
+        finally:
+            self._next = 0
+            self._ready.clear()
+        for bucket in self.buckets:
+            bucket.scatter_grads()
+
+    def communicate(self, bucket: Bucket) -> None:
+        """Reduces ``bucket.flat`` in place across the process set (on the worker thread)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._worker.close()
+
+
+def bucket_name(algorithm: Algorithm, bucket: Bucket, part: str = "") -> str:
+    """Stable collective name of a bucket (the same on every rank)."""
+    suffix = f".{part}" if part else ""
+    return f"bagua.{algorithm.name}.bucket{bucket.index}{suffix}"
+
+
+def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
+    """Raises ``ValueError`` naming the hyperparameter unless ``value`` is > 0 (or >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}.")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be {bound}, got {value!r}.")
+
+
+def check_int(name: str, value: Any, minimum: int) -> None:
+    """Raises ``ValueError`` naming the hyperparameter unless ``value`` is an int >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+
+
+def flat_weights(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parameters concatenated into one new flat tensor."""
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def write_weights(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copies consecutive slices of ``flat`` into the parameters."""
+    offset = 0
+    for p in params:
+        count = p.numel()
+        p.data.copy_(flat[offset : offset + count].view_as(p))
+        offset += count

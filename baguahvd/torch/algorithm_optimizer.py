@@ -1,0 +1,125 @@
+"""The DistributedOptimizer variant that hands communication to a Bagua algorithm.
+
+``DistributedOptimizer(opt, named_parameters=..., algorithm="bytegrad")`` builds a subclass of
+the user's optimizer class from these methods instead of Horovod's per-gradient allreduce.
+Gradient hooks report to the algorithm (``on_backward``), ``step()`` lets it finish the step's
+communication (``synchronize``), run or replace the optimizer step (``step``) and act after it
+(``post_step``). Horovod's surface stays: ``synchronize()``, ``skip_synchronize()``,
+``backward_passes_per_step``, the ``zero_grad`` guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from baguahvd.algorithms import Algorithm, AlgorithmContext
+from baguahvd.algorithms.base import DEFAULT_BUCKET_BYTES
+from baguahvd.common.basics import runtime
+from baguahvd.common.process_sets import ProcessSet
+
+
+class _AlgorithmOptimizer(torch.optim.Optimizer):
+    """Methods mixed into a subclass of the user's optimizer class (see the factory)."""
+
+    def __init__(
+        self,
+        params: Any,
+        named: list[tuple[str, torch.Tensor]],
+        algorithm: Algorithm,
+        backward_passes_per_step: int,
+        process_set: ProcessSet,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        super(self.__class__, self).__init__(params)  # type: ignore[misc,call-arg]
+        from baguahvd.torch.optimizer import _STEP_AFTER_SYNC, _TOO_MANY_PASSES, _ZERO_GRAD_RACE
+
+        self._messages = (_STEP_AFTER_SYNC, _TOO_MANY_PASSES, _ZERO_GRAD_RACE)
+        self._parameter_names: dict[torch.Tensor, str] = {p: name for name, p in named}
+        self.backward_passes_per_step = backward_passes_per_step
+        self.process_set = process_set
+        self.algorithm = algorithm
+        order = {id(p): i for i, (_, p) in enumerate(named)}
+        trainable = [
+            (self._parameter_names[p], p)
+            for group in self.param_groups
+            for p in group["params"]
+            if p.requires_grad
+        ]
+        trainable.sort(key=lambda item: order[id(item[1])])
+        self._countdown = {p: backward_passes_per_step for _, p in trainable}
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hook_handles: list[Any] = []
+        self._impl = None
+        elastic = bool(runtime.config is not None and runtime.config.elastic)
+        if process_set.included() and (runtime.size() > 1 or elastic):
+            self._impl = algorithm.reify(
+                AlgorithmContext(self, trainable, process_set, bucket_bytes)
+            )
+            for _, p in trainable:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._countdown[p] <= 0:
+            raise AssertionError(self._messages[1])
+        self._countdown[p] -= 1
+        if self._countdown[p] == 0 and self._impl is not None:
+            self._impl.on_backward(p)
+
+    def synchronize(self) -> None:
+        """Finishes this step's communication (results land in ``.grad`` or the weights)."""
+        if self._impl is not None:
+            self._impl.synchronize()
+        for p in self._countdown:
+            self._countdown[p] = self.backward_passes_per_step
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this block ``step()`` does not synchronize (call ``synchronize()`` first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(self._messages[0], stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        base_step = super(self.__class__, self).step  # type: ignore[misc]
+        if self._impl is None:
+            return base_step(closure)
+        result = self._impl.step(closure, base_step)
+        self._impl.post_step()
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        started = any(
+            count != self.backward_passes_per_step for count in self._countdown.values()
+        )
+        if started and not self._synchronized:
+            raise AssertionError(self._messages[2])
+        return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Changes how many backward passes are accumulated locally per communication."""
+        self.backward_passes_per_step = passes
+        for p in self._countdown:
+            self._countdown[p] = passes
+
+    def close(self) -> None:
+        """Stops the algorithm's background work (also done at hvd.shutdown())."""
+        if self._impl is not None:
+            self._impl.close()
+            self._impl = None
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
