@@ -123,3 +123,34 @@ class _AlgorithmOptimizer(torch.optim.Optimizer):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+
+
+def make_algorithm_optimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Any,
+    algorithm: Any,
+    backward_passes_per_step: int = 1,
+    process_set: ProcessSet | None = None,
+) -> torch.optim.Optimizer:
+    """Builds the algorithm variant of ``DistributedOptimizer`` (which calls this for
+    ``algorithm=...``): a subclass of ``type(optimizer)`` with the same name."""
+    from baguahvd.algorithms import resolve
+    from baguahvd.common.process_sets import global_process_set
+    from baguahvd.torch.optimizer import _check_named_parameters
+
+    resolved = resolve(algorithm)
+    named = _check_named_parameters(named_parameters, optimizer.param_groups)
+    cls = type(
+        optimizer.__class__.__name__,
+        (optimizer.__class__,),
+        dict(_AlgorithmOptimizer.__dict__),
+    )
+    bucket_bytes = runtime.config.bucket_bytes if runtime.config is not None else None
+    return cls(  # type: ignore[no-any-return]
+        optimizer.param_groups,
+        named,
+        resolved,
+        backward_passes_per_step,
+        process_set if process_set is not None else global_process_set,
+        *([bucket_bytes] if bucket_bytes else []),
+    )
