@@ -50,6 +50,8 @@ def compress_cases() -> Iterator[tuple[str, torch.Tensor, int]]:
     yield "one_in_4", torch.tensor([-3.5]), 4
     yield "constant", torch.full((100,), 0.7), 2
     yield "zeros", torch.zeros(64), 2
+    # a constant of 3 has upper - lower == 0 in fp32; next to an ordinary chunk
+    yield "mixed_top", torch.cat([torch.full((16,), 3.0), torch.randn(16, generator=g)]), 2
     yield "signed_zeros", torch.tensor([-0.0, 0.0, -0.0, 0.0, -0.0, -0.0]), 2
     yield "offset_1e4", 1e4 + torch.randn(512, generator=g), 2  # saturating codes
     yield "offset_1e6", 1e6 + torch.rand(512, generator=g), 1

@@ -339,3 +339,17 @@ def test_kernels_accept_tensors_that_require_grad():
     buf = K.compress_minmax_uint8(w, 2)
     assert not buf.requires_grad
     K.decompress_add_minmax_uint8_(w, buf, 2)
+
+
+@pytest.mark.parametrize("dtype_name,dtype", DTYPES, ids=_case_ids(DTYPES))
+@pytest.mark.parametrize("numel,n_chunks", [(1000, 1), (1001, 4), (4096, 8), (37, 5), (5, 8)])
+def test_tiled_passes_match_oracle(monkeypatch, dtype_name, dtype, numel, n_chunks):
+    """Small tiles make the fallback's column tiling split every chunk several times."""
+    monkeypatch.setattr(torch_impl, "TILE_ELEMENTS", 24)
+    x = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 3).to(dtype)
+    buf = K.compress_minmax_uint8(x, n_chunks)
+    expected = oracle.compress(cases.as_f32_numpy(x), dtype_name, n_chunks)
+    assert np.array_equal(buf.numpy(), expected)
+    got = cases.as_f32_numpy(K.decompress_minmax_uint8(buf, n_chunks, numel, dtype))
+    want = oracle.decompress(expected, dtype_name, numel, n_chunks)
+    assert cases.same_values(got, want), cases.first_difference(got, want)
