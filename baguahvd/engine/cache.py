@@ -64,22 +64,27 @@ class ResponseCache:
 
     def put(
         self, response: Response, signature: tuple[object, ...] | None, member: bool
-    ) -> None:
+    ) -> list[int]:
         """Caches ``response`` (already executed by every rank), evicting the least recently
-        used entry when full."""
+        used entry when full. Returns the slots it evicted."""
         if self.capacity == 0:
-            return
+            return []
+        evicted = []
         ident = (response.process_set_id, response.key)
         old = self._slots.get(ident)
         if old is not None:
             self.evict(old)
+            evicted.append(old)
         if not self._free:
-            self.evict(next(iter(self._recent)))
+            oldest = next(iter(self._recent))
+            self.evict(oldest)
+            evicted.append(oldest)
         slot = heapq.heappop(self._free)
         self._entries[slot] = _Entry(response, signature)
         self._slots[ident] = slot
         self._recent[slot] = None
         self.not_member[slot] = not member
+        return evicted
 
     def touch(self, slot: int) -> None:
         self._recent.move_to_end(slot)

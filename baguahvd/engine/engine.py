@@ -525,7 +525,13 @@ class Engine:
         if state is None:
             return
         signature = None if request is None else request.meta.signature()
-        self._cache.put(response, signature, state.includes(self.rank))
+        for slot in self._cache.put(response, signature, state.includes(self.rank)):
+            # A request admitted as a hit on an entry that is now gone (ranks admit requests
+            # in different cycles) must be negotiated in full, or it waits on a slot that
+            # another name will reuse.
+            waiting = self._waiting_on_cache.pop(slot, None)
+            if waiting is not None:
+                self._to_send.append(waiting)
 
     def _fuse(
         self, entries: list[tuple[Response, Request | None]]
