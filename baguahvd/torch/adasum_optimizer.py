@@ -1,0 +1,125 @@
+"""DistributedOptimizer with ``op=Adasum``: Horovod's delta optimizer.
+
+Adasum (Maleki et al., "Scaling Distributed Training with Adaptive Summation", MLSys 2021)
+combines the ranks' *updates* rather than their gradients. For each parameter, as soon as its
+gradient is ready:
+
+1. save the current weights ``start``;
+2. run the wrapped optimizer's step for this parameter alone, from ``start``;
+3. turn the parameter into the local update ``delta = stepped - start``;
+4. allreduce ``delta`` with the Adasum operation (asynchronously).
+
+``step()`` waits for every parameter's combined update and sets ``weights = start + delta``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from baguahvd.common.ops import Adasum
+from baguahvd.common.process_sets import ProcessSet
+from baguahvd.torch.mpi_ops import allreduce_async_, synchronize
+
+
+class _DistributedAdasumOptimizer(torch.optim.Optimizer):
+    """Methods mixed into a subclass of the user's optimizer class (see the factory)."""
+
+    def __init__(
+        self,
+        params: Any,
+        named: list[tuple[str, torch.Tensor]],
+        compression: Any,
+        backward_passes_per_step: int,
+        process_set: ProcessSet,
+    ) -> None:
+        super(self.__class__, self).__init__(params)  # type: ignore[misc,call-arg]
+        self._compression = compression
+        self._parameter_names: dict[torch.Tensor, str] = {p: name for name, p in named}
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = Adasum
+        self.process_set = process_set
+        self._allreduce_delay = {p: backward_passes_per_step for _, p in named}
+        self._handles: dict[torch.Tensor, tuple[Any, Any]] = {}
+        self._starting_models: dict[torch.Tensor, torch.Tensor] = {}
+        self._requires_update: list[torch.Tensor] = []
+        self._hook_handles: list[Any] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                self._requires_update.append(p)
+                self._starting_models[p] = torch.zeros_like(p, requires_grad=False)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._allreduce_delay[p] <= 0:
+            raise AssertionError(
+                "Gradients were computed more than backward_passes_per_step times before call "
+                "to step(). Increase backward_passes_per_step to accumulate gradients locally."
+            )
+        self._allreduce_delay[p] -= 1
+        if self._allreduce_delay[p] == 0:
+            self._handles[p] = self._allreduce_delta_async(p)
+
+    def _allreduce_delta_async(self, p: torch.Tensor) -> tuple[Any, Any]:
+        start = self._starting_models[p]
+        stashed = [group["params"] for group in self.param_groups]
+        for group in self.param_groups:
+            group["params"] = [p] if any(p is q for q in group["params"]) else []
+        try:
+            with torch.no_grad():
+                start.copy_(p)
+                super(self.__class__, self).step()  # type: ignore[misc]
+                p.sub_(start)
+        finally:
+            for group, params in zip(self.param_groups, stashed):
+                group["params"] = params
+        compressed, ctx = self._compression.compress(p.data)
+        handle = allreduce_async_(
+            compressed.contiguous(),
+            name=self._parameter_names.get(p),
+            op=Adasum,
+            process_set=self.process_set,
+        )
+        return handle, (ctx, compressed)
+
+    def synchronize(self) -> None:
+        """Nothing to do: Adasum combines updates inside ``step()``."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        raise AssertionError(
+            "Skipping synchronization is not supported when using Adasum optimizer."
+        )
+        yield  # pragma: no cover
+
+    def step(self, closure: Any = None) -> Any:
+        loss = closure() if closure is not None else None
+        for p in self._requires_update:
+            if p not in self._handles:
+                self._handles[p] = self._allreduce_delta_async(p)
+        with torch.no_grad():
+            for p, (handle, (ctx, _)) in self._handles.items():
+                delta = self._compression.decompress(synchronize(handle), ctx)
+                start = self._starting_models[p]
+                start.add_(delta.view_as(start).to(start.dtype))
+                p.copy_(start)
+                self._allreduce_delay[p] = self.backward_passes_per_step
+        self._handles.clear()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        if self._handles:
+            raise AssertionError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
+                "a race condition."
+            )
+        # Gradients stay allocated: the per-parameter step needs them.
+        super(self.__class__, self).zero_grad(set_to_none=False)  # type: ignore[misc]
