@@ -284,11 +284,29 @@ def reduce_chunks(
 def decompress_reduce(
     buffer: torch.Tensor, layout: MinMaxUInt8Layout, out: torch.Tensor, average: bool = True
 ) -> torch.Tensor:
-    """Decompresses all chunks and reduces them into ``out`` (``chunk_size`` elements)."""
-    decoded = decompress(
-        buffer, layout, torch.empty(layout.numel, dtype=out.dtype, device=out.device)
-    )
-    return reduce_chunks(decoded, layout.n_chunks, out, average)
+    """Decompresses all (full) chunks and reduces them into ``out`` (``chunk_size`` elements).
+
+    Column tile by column tile: decode the tile of every chunk (rounded to ``out``'s dtype),
+    sum the rows pairwise in fp32, divide, round. Identical to :func:`decompress` followed by
+    :func:`reduce_chunks`, without the full decoded tensor.
+    """
+    n, chunk = layout.n_chunks, layout.chunk_size
+    if chunk == 0:
+        return out
+    scale, _, lower = _slot_params(buffer, layout, out.dtype)
+    codes = buffer.view(n, layout.slot_bytes)[:, HEADER_BYTES : HEADER_BYTES + chunk]
+    tiles = _column_tiles(n, chunk, out.device)
+    scratch = torch.empty(n, min(tiles.step, chunk), dtype=out.dtype, device=out.device)
+    divisor = _f32(float(n), out.device)
+    for start in tiles:
+        stop = min(start + tiles.step, chunk)
+        rows = scratch[:, : stop - start]
+        _decode_rows(codes[:, start:stop], scale[:, None], lower[:, None], rows)
+        total = pairwise_sum_rows(_as_f32(rows))
+        if average:
+            total = torch.div(total, divisor)
+        out[start:stop].copy_(total)
+    return out
 
 
 def _store(x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:

@@ -353,3 +353,18 @@ def test_tiled_passes_match_oracle(monkeypatch, dtype_name, dtype, numel, n_chun
     got = cases.as_f32_numpy(K.decompress_minmax_uint8(buf, n_chunks, numel, dtype))
     want = oracle.decompress(expected, dtype_name, numel, n_chunks)
     assert cases.same_values(got, want), cases.first_difference(got, want)
+
+
+@pytest.mark.parametrize("dtype_name,dtype", DTYPES, ids=_case_ids(DTYPES))
+@pytest.mark.parametrize("n_chunks", [1, 3, 8])
+def test_tiled_decompress_reduce_matches_oracle(monkeypatch, dtype_name, dtype, n_chunks):
+    monkeypatch.setattr(torch_impl, "TILE_ELEMENTS", 40)
+    numel = n_chunks * 101
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(n_chunks)).to(dtype)
+    buf = K.compress_minmax_uint8(x, n_chunks)
+    decoded = oracle.decompress(buf.numpy(), dtype_name, numel, n_chunks)
+    for average in (True, False):
+        got = K.decompress_reduce_minmax_uint8(buf, n_chunks, numel, dtype, average=average)
+        want = oracle.reduce_chunks(decoded, dtype_name, n_chunks, average)
+        got_np = cases.as_f32_numpy(got)
+        assert cases.same_values(got_np, want), cases.first_difference(got_np, want)
