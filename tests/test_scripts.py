@@ -10,7 +10,8 @@ import pathlib
 import textwrap
 
 import pytest
-from test_parallel import launch
+
+from tests.test_parallel import launch
 
 TIMEOUT_S = 60
 
@@ -70,6 +71,36 @@ for name in ("a", "b"):
 print("NAMED_OUT_OF_ORDER_OK", flush=True)
 """
 
+_SUB_WORLDS = """
+import pytest
+import torch
+from mpi4py import MPI
+
+import baguahvd.torch as hvd
+
+world_rank = MPI.COMM_WORLD.Get_rank()
+members = [0, 2] if world_rank != 1 else [1]
+if "{how}" == "list":
+    if world_rank == 1:
+        with pytest.raises(ValueError, match="not in the list"):
+            hvd.init(comm=[0, 2])
+        assert not hvd.is_initialized()
+    hvd.init(comm=members)
+else:
+    sub = MPI.COMM_WORLD.Split(0 if world_rank != 1 else 1, world_rank)
+    hvd.init(comm=sub)
+    assert hvd.global_process_set.mpi_comm is sub
+# Ranks 0 and 2 form one baguahvd world, rank 1 another.
+assert hvd.size() == len(members)
+assert hvd.rank() == members.index(world_rank)
+assert hvd.global_process_set.ranks == list(range(len(members)))
+summed = hvd.allreduce(torch.full((2,), float(world_rank)), op=hvd.Sum, name="sub")
+assert summed.tolist() == [float(sum(members))] * 2
+gathered = hvd.allgather(torch.full((1,), float(world_rank)), name="sub")
+assert gathered.tolist() == [float(r) for r in members]
+print("SUB_WORLD_OK", flush=True)
+"""
+
 
 def _script(tmp_path: pathlib.Path, name: str, text: str) -> str:
     path = tmp_path / name
@@ -108,3 +139,13 @@ def test_stall_warning_then_named_requests_match(
         assert "allreduce.a: [1]" in rank0 and "allreduce.b: [0]" in rank0, output
     else:
         assert "Missing ranks" not in output, output
+
+
+@pytest.mark.parallel
+@pytest.mark.parametrize("how", ["list", "comm"])
+def test_init_on_part_of_the_job(tmp_path: pathlib.Path, how: str) -> None:
+    script = _script(tmp_path, "sub_worlds.py", _SUB_WORLDS.format(how=how))
+    result = launch([script], 3, tmp_path, TIMEOUT_S)
+    output = result.stdout
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr}\n{output}"
+    assert output.count("SUB_WORLD_OK") == 3, output

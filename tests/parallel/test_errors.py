@@ -200,6 +200,15 @@ def test_mismatch_async_raises_from_synchronize(rank: int, size: int) -> None:
     _still_works(size, "async")
 
 
+def test_poll_reports_a_failed_collective_as_done(rank: int, size: int) -> None:
+    handle = hvd.allreduce_async(torch.ones(rank + 1), name="poll_failed")
+    while not hvd.poll(handle):
+        pass
+    with pytest.raises(hvd.HorovodInternalError, match="Mismatched"):
+        hvd.synchronize(handle)
+    _still_works(size, "poll_failed")
+
+
 def test_duplicate_name_raises_on_offending_rank_only(rank: int, size: int) -> None:
     # Horovod's pattern: rank 0 queues "duplicate_name" twice before a barrier; the others
     # reach the barrier first and submit their single request after it.

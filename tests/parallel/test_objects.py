@@ -298,6 +298,29 @@ def test_broadcast_optimizer_state_mixed_requires_grad(rank: int, size: int) -> 
     assert torch.equal(state[1]["momentum_buffer"], torch.full((3,), float(root + 1)))
 
 
+def test_broadcast_optimizer_state_only_the_root_has_state(rank: int, size: int) -> None:
+    # E.g. a checkpoint restored on the root only: the others get the state and step count.
+    root = 0
+    steps = 3 if rank == root else 0
+    optimizer = _trained("adam", seed=root, data_seed=root, steps=steps)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=root)
+    expected = _snapshot(_trained("adam", seed=root, data_seed=root, steps=3))
+    _assert_optimizer_state_equal(optimizer.state_dict(), expected)
+    assert int(optimizer.state_dict()["state"][0]["step"]) == 3
+
+
+def test_broadcast_optimizer_state_only_the_others_have_state(rank: int, size: int) -> None:
+    # The root has not stepped: everybody ends without state, as the root.
+    root = size - 1
+    steps = 0 if rank == root else 2
+    optimizer = _trained("sgd", seed=root, data_seed=rank, steps=steps)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=root)
+    assert len(optimizer.state_dict()["state"]) == 0
+    _assert_optimizer_state_equal(
+        optimizer.state_dict(), _snapshot(_trained("sgd", seed=root, data_seed=root, steps=0))
+    )
+
+
 @pytest.mark.parametrize(
     "kind",
     ["Adadelta", "Adagrad", "Adamax", "AdamW", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop"],

@@ -357,3 +357,34 @@ def test_many_sets_alive_at_once(rank: int, size: int) -> None:
     for process_set in singles:
         assert hvd.remove_process_set(process_set)
     _world_still_works(size, "singles")
+
+
+def test_empty_process_set(rank: int, size: int) -> None:
+    empty = hvd.add_process_set([])
+    assert empty.process_set_id is not None
+    assert empty.size() == 0
+    assert empty.included() is False
+    with pytest.raises(ValueError, match=f"Rank {rank} is not a member"):
+        hvd.allreduce(torch.ones(1), process_set=empty)
+    assert hvd.remove_process_set(empty)
+    _world_still_works(size, "empty")
+
+
+def test_join_counts_for_process_set_allreduce(rank: int, size: int) -> None:
+    # A member that joined contributes zeros to allreduces on a set it belongs to.
+    everyone_but_last = hvd.add_process_set(list(range(size - 1))) if size > 2 else None
+    first = 0
+    if rank == first:
+        last = hvd.join()
+    else:
+        if everyone_but_last is not None and everyone_but_last.included():
+            result = hvd.allreduce(
+                torch.full((2,), float(rank)), op=hvd.Sum, name="joined_set",
+                process_set=everyone_but_last,
+            )
+            assert torch.equal(result, torch.full((2,), float(sum(range(1, size - 1)))))
+        last = hvd.join()
+    assert last != first
+    assert hvd.allgather_object(last, name="joined_set_result") == [last] * size
+    if everyone_but_last is not None:
+        assert hvd.remove_process_set(everyone_but_last)

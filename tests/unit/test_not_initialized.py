@@ -47,9 +47,10 @@ def _run(body: str, **env: str) -> None:
         )
 
 
-def test_before_init() -> None:
+def test_before_init_and_a_failed_init() -> None:
     _run(
         """
+        import os
         import re
         import sys
 
@@ -97,14 +98,32 @@ def test_before_init() -> None:
         assert hvd.global_process_set.size() is None
         assert hvd.synchronize(0) is None
         assert "mpi4py.MPI" not in sys.modules
+
+        # A bad setting fails init() before anything starts; fixed, init() succeeds.
+        os.environ["HOROVOD_FUSION_THRESHOLD"] = "lots"
+        with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD"):
+            hvd.init()
+        assert hvd.is_initialized() is False
+        del os.environ["HOROVOD_FUSION_THRESHOLD"]
+        hvd.init()
+        assert hvd.is_initialized()
+        # Dynamic process sets were not enabled.
+        with pytest.raises(ValueError, match="Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow "
+                                             "adding process sets after Horovod initialization."):
+            hvd.add_process_set([0])
+        with pytest.raises(ValueError, match="Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow "
+                                             "removing process sets after Horovod"):
+            hvd.remove_process_set(hvd.ProcessSet([0]))
         """
     )
 
 
-def test_single_process_job() -> None:
+def test_single_process_job_then_shutdown() -> None:
     _run(
         """
-        hvd.init()
+        import re
+
+        hvd.init(process_sets="dynamic")
         assert hvd.is_initialized()
         assert (hvd.size(), hvd.rank()) == (1, 0)
         assert (hvd.local_size(), hvd.local_rank()) == (1, 0)
@@ -148,25 +167,22 @@ def test_single_process_job() -> None:
         # Mismatches cannot happen, but argument errors still surface.
         with pytest.raises(ValueError, match="is not supported"):
             hvd.allreduce(torch.zeros(2, dtype=torch.bool))
-        with pytest.raises(ValueError, match="duplicate"):
+        # With one rank the odd set of Horovod's suite is empty; it must still work.
+        empty = hvd.add_process_set([])
+        assert empty.size() == 0 and empty.included() is False
+        with pytest.raises(ValueError, match="Rank 0 is not a member"):
+            hvd.allreduce(torch.ones(1), process_set=empty)
+        # A set of every rank duplicates the global set.
+        with pytest.raises(ValueError, match="Attempted to add a duplicate process set"):
             hvd.add_process_set([0])
-        """,
-        HOROVOD_DYNAMIC_PROCESS_SETS="1",
-    )
+        assert hvd.remove_process_set(empty)
+        assert hvd.remove_process_set(empty) is False
+        assert hvd.mpi_threads_supported() is True
 
-
-def test_after_shutdown() -> None:
-    _run(
-        """
-        import re
-
-        hvd.init()
-        assert torch.equal(hvd.allreduce(torch.ones(2)), torch.ones(2))
         hvd.shutdown()
         assert hvd.is_initialized() is False
         message = re.escape(SHUT_DOWN_MESSAGE)
         assert "has been shut down" in SHUT_DOWN_MESSAGE
-        x = torch.ones(3)
         for call in (
             lambda: hvd.allreduce(x),
             lambda: hvd.allreduce_async_(x),
@@ -180,28 +196,19 @@ def test_after_shutdown() -> None:
             with pytest.raises(hvd.HorovodInternalError, match=message):
                 call()
         hvd.shutdown()  # a second call is harmless
+        # The topology queries are gone with the job.
+        with pytest.raises(ValueError, match=re.escape(NOT_INITIALIZED_MESSAGE)):
+            hvd.rank()
         """
     )
 
 
-@pytest.mark.parametrize(("disable", "expected"), [("0", True), ("1", False)])
-def test_mpi_threads_disable(disable: str, expected: bool) -> None:
+def test_mpi_threads_disable() -> None:
     _run(
-        f"""
+        """
         hvd.init()
-        assert hvd.mpi_threads_supported() is {expected}
+        assert hvd.mpi_threads_supported() is False
         assert torch.equal(hvd.allreduce(torch.ones(2)), torch.ones(2))
         """,
-        HOROVOD_MPI_THREADS_DISABLE=disable,
-    )
-
-
-def test_bad_environment_fails_init() -> None:
-    _run(
-        """
-        with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD"):
-            hvd.init()
-        assert hvd.is_initialized() is False
-        """,
-        HOROVOD_FUSION_THRESHOLD="lots",
+        HOROVOD_MPI_THREADS_DISABLE="1",
     )
