@@ -11,11 +11,15 @@ from collections.abc import Callable
 
 from baguahvd.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl
 from baguahvd.algorithms.bytegrad import ByteGradAlgorithm
+from baguahvd.algorithms.decentralized import DecentralizedAlgorithm
 from baguahvd.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+from baguahvd.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
 
 _REGISTRY: dict[str, Callable[[], Algorithm]] = {
     GradientAllReduceAlgorithm.name: GradientAllReduceAlgorithm,
     ByteGradAlgorithm.name: ByteGradAlgorithm,
+    DecentralizedAlgorithm.name: DecentralizedAlgorithm,
+    LowPrecisionDecentralizedAlgorithm.name: LowPrecisionDecentralizedAlgorithm,
 }
 
 
@@ -46,7 +50,9 @@ __all__ = [
     "AlgorithmContext",
     "AlgorithmImpl",
     "ByteGradAlgorithm",
+    "DecentralizedAlgorithm",
     "GradientAllReduceAlgorithm",
+    "LowPrecisionDecentralizedAlgorithm",
     "known_algorithms",
     "register",
     "resolve",
