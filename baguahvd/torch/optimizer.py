@@ -72,7 +72,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._requires_update: set[torch.Tensor] = set()
         self._synchronized = False
         self._should_synchronize = True
-        self._groups = _resolve_groups(groups, [p for _, p in named])
+        trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        self._groups = _resolve_groups(groups, trainable, self._parameter_names, process_set)
         self._group_of: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {
             p: group for group in self._groups for p in group
         }
@@ -94,14 +95,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _make_hook(self) -> Any:
         def hook(p: torch.Tensor) -> None:
-            handle = self._handles.get(p)
-            if handle is not None and handle[0] is not None and self._allreduce_delay[p] <= 0:
-                raise AssertionError(_TOO_MANY_PASSES)
-            if p in self._group_of and self._group_of[p] in self._handles:
+            # The countdown reaches zero exactly when this gradient has been handed to an
+            # allreduce (or to its group); it is reset only by synchronize().
+            if self._allreduce_delay[p] <= 0:
                 raise AssertionError(_TOO_MANY_PASSES)
             self._allreduce_delay[p] -= 1
             if self._allreduce_delay[p] > 0:
-                self._handles.setdefault(p, (None, None))
                 return
             group = self._group_of.get(p)
             if group is None:
@@ -185,9 +184,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     self._handles[group] = self._grouped_allreduce_async(group)
             else:
                 self._handles[p] = self._allreduce_grad_async(p)
-        for key, (handle, _) in list(self._handles.items()):
-            if handle is None:
-                self._handles[key] = self._allreduce_grad_async(key)
         for key, (handle, ctx) in self._handles.items():
             if isinstance(key, tuple):
                 outputs = synchronize(handle)
@@ -236,7 +232,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if any(handle is not None for handle, _ in self._handles.values()):
+        # Like Horovod, also refuse while gradients are half accumulated (fewer backward
+        # passes than backward_passes_per_step): zeroing them would desynchronise the
+        # countdowns from the gradients.
+        if self._handles or self._group_ready or any(
+            delay != self.backward_passes_per_step for delay in self._allreduce_delay.values()
+        ):
             raise AssertionError(_ZERO_GRAD_RACE)
         return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
 
@@ -287,26 +288,42 @@ def _check_named_parameters(named_parameters: Any, param_groups: list[dict[str, 
     return named
 
 
-def _resolve_groups(groups: Any, params: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
-    if groups is None or groups == 0:
+def _resolve_groups(
+    groups: Any,
+    params: list[torch.Tensor],
+    names: dict[torch.Tensor, str],
+    process_set: ProcessSet,
+) -> list[tuple[torch.Tensor, ...]]:
+    """Turns ``groups`` into tuples of parameters; ``params`` are the trainable parameters
+    of the optimizer, split into consecutive chunks when ``groups`` is an int."""
+    if groups is None or (isinstance(groups, int) and groups == 0):
         return []
     if isinstance(groups, int) and not isinstance(groups, bool):
         if groups < 0:
             raise ValueError(
                 "groups should be a non-negative integer or a list of list of torch.Tensor."
             )
-        from baguahvd.torch.functions import broadcast_object
+        if not params:
+            return []
+        ordered = params
+        if process_set.included():
+            from baguahvd.torch.functions import broadcast_object
 
-        # Rank 0's parameter order decides, so every rank forms the same groups.
-        order = broadcast_object(list(range(len(params))), 0, name="optimizer.groups")
-        ordered = [params[i] for i in order]
-        count = min(groups, len(ordered)) or 1
+            # Rank 0's parameter order decides, so that every rank forms the same groups
+            # even if the ranks listed their parameters in different orders.
+            root = process_set.ranks[0] if process_set.ranks else 0
+            order = broadcast_object(
+                [names[p] for p in params], root, name="optimizer.groups",
+                process_set=process_set,
+            )
+            position = {name: index for index, name in enumerate(order)}
+            ordered = sorted(params, key=lambda p: position.get(names[p], len(position)))
+        count = min(groups, len(ordered))
         size, extra = divmod(len(ordered), count)
         chunks, start = [], 0
         for index in range(count):
             stop = start + size + (1 if index < extra else 0)
-            if stop > start:
-                chunks.append(tuple(ordered[start:stop]))
+            chunks.append(tuple(ordered[start:stop]))
             start = stop
         return chunks
     if isinstance(groups, list):

@@ -1,0 +1,650 @@
+"""DistributedOptimizer against single-process training.
+
+Every rank builds the same model and the data of every rank from fixed seeds. The oracle is
+a plain torch optimizer on one process whose gradient is the mean over ranks of each rank's
+gradient (what ``op=Average`` promises), computed by running every rank's loss locally.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import baguahvd.torch as hvd
+
+TOO_MANY = (
+    "Gradients were computed more than backward_passes_per_step times before call to step(). "
+    "Increase backward_passes_per_step to accumulate gradients locally."
+)
+ZERO_GRAD = (
+    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
+)
+STEP_AFTER_SYNC = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize()."
+)
+ROWS = 4  # rows of data per rank and step
+
+Loss = Callable[[nn.Module, int, int], torch.Tensor]  # (model, rank, step) -> loss
+MakeOptimizer = Callable[[Any], torch.optim.Optimizer]
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def data(rank: int, step: int, width: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(ROWS, width, generator=generator, dtype=torch.float64)
+    y = torch.randn(ROWS, 3, generator=generator, dtype=torch.float64)
+    return x, y
+
+
+def mse(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    x, y = data(rank, step)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def reference_backward(model: nn.Module, loss: Loss, size: int, step: int) -> None:
+    """Accumulates the mean over ranks of every rank's gradient into ``model``."""
+    for r in range(size):
+        (loss(model, r, step) / size).backward()
+
+
+def train_both(
+    rank: int,
+    size: int,
+    loss: Loss = mse,
+    make_optimizer: MakeOptimizer = sgd,
+    steps: int = 3,
+    build: Callable[[], nn.Module] = mlp,
+    **kwargs: Any,
+) -> tuple[nn.Module, nn.Module]:
+    """Trains a model with DistributedOptimizer and its single-process oracle."""
+    model, ref = build(), build()
+    optimizer = hvd.DistributedOptimizer(
+        make_optimizer(model.parameters()), named_parameters=model.named_parameters(), **kwargs
+    )
+    ref_optimizer = make_optimizer(ref.parameters())
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss(model, rank, step).backward()
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        reference_backward(ref, loss, size, step)
+        ref_optimizer.step()
+    return model, ref
+
+
+def assert_same_parameters(model: nn.Module, ref: nn.Module, tol: float = 1e-10) -> None:
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, atol=tol, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------------------------------
+# Construction
+
+
+@pytest.mark.parametrize("make_optimizer", [sgd, adam])
+def test_is_a_subclass_with_the_same_name(make_optimizer: MakeOptimizer) -> None:
+    model = mlp()
+    inner = make_optimizer(model.parameters())
+    optimizer = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+    assert isinstance(optimizer, type(inner))
+    assert type(optimizer).__name__ == type(inner).__name__
+    assert optimizer is not inner
+    assert optimizer.param_groups[0]["lr"] == inner.param_groups[0]["lr"]
+    assert optimizer.backward_passes_per_step == 1
+    assert optimizer.op == hvd.Average
+
+
+def test_parameter_names() -> None:
+    model = mlp()
+    named = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                     named_parameters=(x for x in model.named_parameters()))
+    assert set(named._parameter_names.values()) == {n for n, _ in model.named_parameters()}
+    for name, p in model.named_parameters():
+        assert named._parameter_names[p] == name
+    unnamed = hvd.DistributedOptimizer(sgd(model.parameters()))
+    assert sorted(unnamed._parameter_names.values()) == [
+        f"allreduce.noname.0.{j}" for j in range(4)
+    ]
+
+
+def test_named_parameters_errors() -> None:
+    model = mlp()
+    params = list(model.named_parameters())
+    with pytest.raises(ValueError, match=re.escape(
+        "named_parameters should be a sequence of tuples (name, parameter), usually produced "
+        "by model.named_parameters()."
+    )):
+        hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=[p for _, p in params])
+    duplicated = [("a", params[0][1]), ("a", params[1][1]), ("b", params[2][1]),
+                  ("b", params[3][1])]
+    with pytest.raises(ValueError, match=re.escape(
+        "Parameter names in named_parameters must be unique. Found duplicates: a, b"
+    )):
+        hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=duplicated)
+    with pytest.raises(ValueError, match=re.escape(
+        "named_parameters was specified, but one or more model parameters were not named. "
+        "Python object ids: " + str(id(params[3][1]))
+    )):
+        hvd.DistributedOptimizer(sgd(model.parameters()), named_parameters=params[:3])
+
+
+def test_argument_errors() -> None:
+    model = mlp()
+    with pytest.raises(ValueError, match=r"^backward_passes_per_step must be > 0$"):
+        hvd.DistributedOptimizer(sgd(model.parameters()), backward_passes_per_step=0)
+    with pytest.raises(ValueError,
+                       match="gradient_predivide_factor not supported with op != Average"):
+        hvd.DistributedOptimizer(sgd(model.parameters()), op=hvd.Sum,
+                                 gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="groups should be a non-negative integer"):
+        hvd.DistributedOptimizer(sgd(model.parameters()), groups=-1)
+    with pytest.raises(ValueError, match="groups must consist of torch.Tensor."):
+        hvd.DistributedOptimizer(sgd(model.parameters()), groups=[["weight"]])
+    first = next(model.parameters())
+    with pytest.raises(ValueError, match="A parameter can only appear once in groups."):
+        hvd.DistributedOptimizer(sgd(model.parameters()), groups=[[first], [first]])
+
+
+def test_algorithm_argument() -> None:
+    model = mlp()
+    optimizer = hvd.DistributedOptimizer(
+        sgd(model.parameters()), named_parameters=model.named_parameters(),
+        algorithm="gradient_allreduce",
+    )
+    assert isinstance(optimizer, torch.optim.SGD)
+    with pytest.raises(ValueError, match="gradient_allreduce") as info:
+        hvd.DistributedOptimizer(sgd(model.parameters()), algorithm="no_such_algorithm")
+    assert "no_such_algorithm" in str(info.value)
+
+
+def test_num_groups_is_deprecated(rank: int, size: int) -> None:
+    model = mlp()
+    with pytest.warns(DeprecationWarning, match="num_groups"):
+        optimizer = hvd.DistributedOptimizer(sgd(model.parameters()), num_groups=2,
+                                             named_parameters=model.named_parameters())
+    if size > 1:
+        assert len(optimizer._groups) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# Training equals the single-process oracle
+
+
+@pytest.mark.parametrize("make_optimizer", [sgd, adam], ids=["sgd_momentum", "adam"])
+def test_matches_single_process(rank: int, size: int, make_optimizer: MakeOptimizer) -> None:
+    model, ref = train_both(rank, size, make_optimizer=make_optimizer)
+    assert_same_parameters(model, ref)
+
+
+def test_full_batch_equivalence(rank: int, size: int) -> None:
+    """With equal shards, averaging per-rank mean losses is full-batch training."""
+    model = mlp()
+    ref = mlp()
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=model.named_parameters())
+    ref_optimizer = sgd(ref.parameters())
+    for step in range(3):
+        batches = [data(r, step) for r in range(size)]
+        full_x = torch.cat([b[0] for b in batches])
+        full_y = torch.cat([b[1] for b in batches])
+        ref_optimizer.zero_grad()
+        nn.functional.mse_loss(ref(full_x), full_y).backward()
+        ref_optimizer.step()
+        optimizer.zero_grad()
+        mse(model, rank, step).backward()
+        optimizer.step()
+    assert_same_parameters(model, ref)
+
+
+@pytest.mark.parametrize(
+    "groups", [2, "lists", "one_list"], ids=["groups=2", "groups=[[...],[...]]", "partial"]
+)
+def test_groups_equal_ungrouped(rank: int, size: int, groups: Any) -> None:
+    def build() -> nn.Module:
+        return mlp()
+
+    def grouped(model: nn.Module) -> Any:
+        params = list(model.parameters())
+        if groups == "lists":
+            return [params[:2], params[2:]]
+        if groups == "one_list":
+            return [[params[0], params[3]]]  # the others stay single
+        return groups
+
+    model, ref = build(), build()
+    optimizer = hvd.DistributedOptimizer(
+        sgd(model.parameters()), named_parameters=model.named_parameters(),
+        groups=grouped(model),
+    )
+    ref_optimizer = sgd(ref.parameters())
+    for step in range(3):
+        optimizer.zero_grad()
+        mse(model, rank, step).backward()
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        reference_backward(ref, mse, size, step)
+        ref_optimizer.step()
+    assert_same_parameters(model, ref)
+
+
+def test_groups_follow_rank_zero_order(rank: int, size: int) -> None:
+    """Ranks listing their parameters in different orders still form the same groups."""
+    model, ref = mlp(), mlp()
+    named = list(model.named_parameters())
+    if rank % 2:
+        named.reverse()
+    optimizer = hvd.DistributedOptimizer(
+        sgd([p for _, p in named]), named_parameters=named, groups=3,
+    )
+    order = [optimizer._parameter_names[p] for group in optimizer._groups for p in group]
+    assert order == hvd.broadcast_object(order, 0, name="test_opt.group_order")
+    ref_optimizer = sgd(ref.parameters())
+    for step in range(2):
+        optimizer.zero_grad()
+        mse(model, rank, step).backward()
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        reference_backward(ref, mse, size, step)
+        ref_optimizer.step()
+    assert_same_parameters(model, ref)
+
+
+@pytest.mark.parametrize("op", ["Average", "Sum"])
+@pytest.mark.parametrize("groups", [None, 2], ids=["ungrouped", "groups=2"])
+def test_backward_passes_per_step(rank: int, size: int, groups: Any, op: str) -> None:
+    """Two local backward passes are summed, then reduced across ranks once per step."""
+    scale = size if op == "Sum" else 1
+
+    def scaled(model: nn.Module, r: int, step: int) -> torch.Tensor:
+        return mse(model, r, step) * scale
+
+    model, ref = mlp(), mlp()
+    optimizer = hvd.DistributedOptimizer(
+        sgd(model.parameters()), named_parameters=model.named_parameters(),
+        backward_passes_per_step=2, groups=groups, op=getattr(hvd, op),
+    )
+    ref_optimizer = sgd(ref.parameters())
+    for step in range(3):
+        optimizer.zero_grad()
+        for micro in range(2):
+            mse(model, rank, 10 * step + micro).backward()
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        for micro in range(2):
+            reference_backward(ref, scaled, size, 10 * step + micro)
+        ref_optimizer.step()
+    assert_same_parameters(model, ref)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("groups", [None, 2], ids=["ungrouped", "groups=2"])
+def test_each_gradient_is_reduced_once(
+    rank: int, size: int, groups: Any, passes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from baguahvd.torch import optimizer as module
+
+    calls = {"single": 0, "grouped": 0}
+
+    def counting(kind: str, function: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls[kind] += 1
+            return function(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(module, "allreduce_async_", counting("single", module.allreduce_async_))
+    monkeypatch.setattr(module, "grouped_allreduce_async_",
+                        counting("grouped", module.grouped_allreduce_async_))
+    model = mlp()
+    optimizer = hvd.DistributedOptimizer(
+        sgd(model.parameters()), named_parameters=model.named_parameters(),
+        backward_passes_per_step=passes, groups=groups,
+    )
+    for step in range(2):
+        optimizer.zero_grad()
+        for micro in range(passes):
+            mse(model, rank, 10 * step + micro).backward()
+        optimizer.step()
+    if size == 1:
+        assert calls == {"single": 0, "grouped": 0}
+    elif groups is None:
+        assert calls == {"single": 2 * 4, "grouped": 0}
+    else:
+        assert calls == {"single": 0, "grouped": 2 * 2}
+
+
+def test_set_backward_passes_per_step(rank: int, size: int) -> None:
+    model, ref = mlp(), mlp()
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=model.named_parameters())
+    optimizer.set_backward_passes_per_step(3)
+    assert optimizer.backward_passes_per_step == 3
+    ref_optimizer = sgd(ref.parameters())
+    optimizer.zero_grad()
+    ref_optimizer.zero_grad()
+    for micro in range(3):
+        mse(model, rank, micro).backward()
+        reference_backward(ref, mse, size, micro)
+    optimizer.step()
+    ref_optimizer.step()
+    assert_same_parameters(model, ref)
+
+
+def test_too_many_backward_passes(rank: int, size: int) -> None:
+    model = mlp()
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=model.named_parameters(),
+                                         backward_passes_per_step=2)
+    mse(model, rank, 0).backward()
+    mse(model, rank, 1).backward()
+    if size > 1:
+        with pytest.raises(AssertionError, match=re.escape(TOO_MANY)):
+            mse(model, rank, 2).backward()
+    # The allreduces started by the second pass still complete, and training goes on.
+    optimizer.synchronize()
+    with optimizer.skip_synchronize():
+        optimizer.step()
+    optimizer.zero_grad()
+    mse(model, rank, 3).backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_zero_grad_before_step_is_refused(rank: int, size: int, passes: int) -> None:
+    """Refused while allreduces are in flight, and (as in Horovod) while gradients are
+    half accumulated."""
+    model = mlp()
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=model.named_parameters(),
+                                         backward_passes_per_step=passes)
+    mse(model, rank, 0).backward()
+    if size > 1:
+        with pytest.raises(AssertionError, match=re.escape(ZERO_GRAD)):
+            optimizer.zero_grad()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_synchronize_then_clip(rank: int, size: int) -> None:
+    """Horovod's gradient-clipping pattern: synchronize, clip, step without synchronizing."""
+    model, ref = mlp(), mlp()
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=model.named_parameters())
+    ref_optimizer = sgd(ref.parameters())
+    for step in range(3):
+        optimizer.zero_grad()
+        mse(model, rank, step).backward()
+        optimizer.synchronize()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        ref_optimizer.zero_grad()
+        reference_backward(ref, mse, size, step)
+        nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ref_optimizer.step()
+    assert_same_parameters(model, ref)
+
+
+def test_step_after_synchronize_warns_once(rank: int, size: int) -> None:
+    model = mlp()
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=model.named_parameters())
+    mse(model, rank, 0).backward()
+    optimizer.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    relevant = [w for w in caught if issubclass(w.category, UserWarning)]
+    assert len(relevant) == 1
+    assert STEP_AFTER_SYNC in str(relevant[0].message)
+    # The next ordinary step does not warn.
+    optimizer.zero_grad()
+    mse(model, rank, 1).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step()
+
+
+# ---------------------------------------------------------------------------------------
+# Parameters used by only some ranks
+
+
+class TwoBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.trunk = nn.Linear(4, 4)
+        self.left = nn.Linear(4, 3)
+        self.right = nn.Linear(4, 3)
+        self.double()
+
+    def forward(self, x: torch.Tensor, branch: str) -> torch.Tensor:
+        return getattr(self, branch)(torch.tanh(self.trunk(x)))
+
+
+def branch_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    # Even ranks use one branch, odd ranks the other, swapping every step; with one rank
+    # both branches are used so that no parameter is left without a gradient everywhere.
+    x, y = data(rank, step)
+    branches = ["left", "right"] if (rank + step) % 2 == 0 else ["right", "left"]
+    used = branches[:1] if hvd.size() > 1 else branches
+    return sum(nn.functional.mse_loss(model(x, b), y) for b in used)  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("groups", [None, 2, "lists"], ids=["ungrouped", "groups=2", "lists"])
+def test_parameters_unused_on_some_ranks(rank: int, size: int, groups: Any) -> None:
+    model, ref = TwoBranches(), TwoBranches()
+    if groups == "lists":
+        groups = [[model.left.weight, model.right.weight], [model.left.bias, model.right.bias]]
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+        groups=groups,
+    )
+    ref_optimizer = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        optimizer.zero_grad()
+        branch_loss(model, rank, step).backward()
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        reference_backward(ref, branch_loss, size, step)
+        ref_optimizer.step()
+    assert_same_parameters(model, ref)
+
+
+def test_frozen_parameter_is_skipped(rank: int, size: int) -> None:
+    model, ref = mlp(), mlp()
+    for m in (model, ref):
+        m[0].bias.requires_grad_(False)
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=model.named_parameters())
+    ref_optimizer = sgd(ref.parameters())
+    for step in range(2):
+        optimizer.zero_grad()
+        mse(model, rank, step).backward()
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        reference_backward(ref, mse, size, step)
+        ref_optimizer.step()
+    assert model[0].bias.grad is None
+    assert_same_parameters(model, ref)
+
+
+# ---------------------------------------------------------------------------------------
+# Reduction options
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_compression_is_close(rank: int, size: int, name: str) -> None:
+    compression = getattr(hvd.Compression, name)
+    model, ref = train_both(rank, size, compression=compression)
+    tol = 2e-3 if name == "fp16" else 2e-2
+    assert_same_parameters(model, ref, tol=tol)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+
+
+def test_gradient_predivide_factor(rank: int, size: int) -> None:
+    model, ref = train_both(rank, size, gradient_predivide_factor=2.0)
+    assert_same_parameters(model, ref)
+
+
+def test_op_sum(rank: int, size: int) -> None:
+    def summed(model: nn.Module, r: int, step: int) -> torch.Tensor:
+        return mse(model, r, step) * size  # the oracle's mean over ranks times size
+
+    model, ref = mlp(), mlp()
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=model.named_parameters(), op=hvd.Sum)
+    ref_optimizer = sgd(ref.parameters())
+    for step in range(3):
+        optimizer.zero_grad()
+        mse(model, rank, step).backward()
+        optimizer.step()
+        ref_optimizer.zero_grad()
+        reference_backward(ref, summed, size, step)
+        ref_optimizer.step()
+    assert_same_parameters(model, ref)
+
+
+# ---------------------------------------------------------------------------------------
+# Sparse gradients
+
+
+class Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.embedding = nn.Embedding(12, 3, sparse=True).double()
+        self.head = nn.Linear(3, 1).double()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embedding(ids)).squeeze(-1)
+
+
+def bag_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(500 + 10 * step + rank)
+    ids = torch.randint(0, 12, (ROWS,), generator=generator)  # repeats are likely
+    target = torch.randn(ROWS, generator=generator, dtype=torch.float64)
+    return nn.functional.mse_loss(model(ids), target)
+
+
+def sparse_adam(model: nn.Module) -> list[torch.optim.Optimizer]:
+    return [torch.optim.SparseAdam(list(model.embedding.parameters()), lr=0.05),
+            torch.optim.SGD(model.head.parameters(), lr=0.1)]
+
+
+def sparse_sgd(model: nn.Module) -> list[torch.optim.Optimizer]:
+    return [torch.optim.SGD(model.parameters(), lr=0.1)]
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True], ids=["sparse", "as_dense"])
+@pytest.mark.parametrize("make", [sparse_adam, sparse_sgd], ids=["SparseAdam", "SGD"])
+def test_sparse_gradients(rank: int, size: int, make: Any, sparse_as_dense: bool) -> None:
+    model, ref = Bag(), Bag()
+    named = dict(model.named_parameters())
+    optimizers = [
+        hvd.DistributedOptimizer(
+            inner,
+            named_parameters=[(n, p) for n, p in named.items()
+                              if any(p is q for q in inner.param_groups[0]["params"])],
+            sparse_as_dense=sparse_as_dense,
+        )
+        for inner in make(model)
+    ]
+    ref_optimizers = make(ref)
+    for step in range(3):
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        bag_loss(model, rank, step).backward()
+        assert model.embedding.weight.grad is not None
+        for optimizer in optimizers:
+            optimizer.step()
+        assert model.embedding.weight.grad.is_sparse
+        for optimizer in ref_optimizers:
+            optimizer.zero_grad()
+        reference_backward(ref, bag_loss, size, step)
+        for optimizer in ref_optimizers:
+            optimizer.step()
+    assert_same_parameters(model, ref)
+
+
+# ---------------------------------------------------------------------------------------
+# broadcast_optimizer_state
+
+
+def snapshot(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return copy.deepcopy(optimizer.state_dict())
+
+
+def assert_same_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    assert actual["param_groups"] == expected["param_groups"]
+    assert actual["state"].keys() == expected["state"].keys()
+    for index, entry in expected["state"].items():
+        assert actual["state"][index].keys() == entry.keys()
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(actual["state"][index][key], value, rtol=0, atol=0)
+            else:
+                assert actual["state"][index][key] == value
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
+def test_broadcast_optimizer_state(rank: int, size: int, distributed: bool) -> None:
+    model = mlp()
+    inner = torch.optim.Adam(model.parameters(), lr=0.01 * (rank + 1), betas=(0.8, 0.95))
+    if rank == 0:
+        # Only the root has stepped (locally), so the others have no state at all.
+        for step in range(2):
+            inner.zero_grad()
+            mse(model, 0, step).backward()
+            inner.step()
+    before = snapshot(inner)
+    optimizer = inner
+    if distributed:
+        optimizer = hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters())
+        optimizer.load_state_dict(before)
+    root_state = hvd.broadcast_object(before if rank == 0 else None, 0, name="test_bos.root")
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    after = snapshot(optimizer)
+    assert_same_state(after, root_state)
+    if rank == 0:
+        assert_same_state(after, before)
+    assert isinstance(optimizer.param_groups[0]["betas"], tuple)
+    assert optimizer.param_groups[0]["lr"] == 0.01
+    for p in model.parameters():
+        assert float(optimizer.state[p]["step"]) == 2.0
+
+
+def test_broadcast_optimizer_state_before_any_step(rank: int, size: int) -> None:
+    model = mlp()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1 * (rank + 1), momentum=0.9),
+        named_parameters=model.named_parameters(),
+    )
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    assert len(optimizer.state) == 0  # no step was taken to create state
+    assert optimizer.param_groups[0]["lr"] == 0.1
+    assert all(p.grad is None for p in model.parameters())
