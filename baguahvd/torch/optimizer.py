@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -40,6 +41,7 @@ _STEP_AFTER_SYNC = (
     "code."
 )
 KNOWN_ALGORITHMS = ("gradient_allreduce",)
+_HOOK_ATTRIBUTE = "_baguahvd_allreduce_hook"
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -89,30 +91,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.requires_grad:
                     self._requires_update.add(p)
-                    self._hook_handles.append(
-                        p.register_post_accumulate_grad_hook(self._make_hook())
-                    )
+                    # A parameter is reduced by the latest DistributedOptimizer wrapping it:
+                    # an earlier one (say, of a previous training phase) would otherwise
+                    # reduce it a second time under the same name.
+                    previous = getattr(p, _HOOK_ATTRIBUTE, None)
+                    if previous is not None:
+                        previous.remove()
+                    handle = p.register_post_accumulate_grad_hook(_make_hook(weakref.ref(self)))
+                    setattr(p, _HOOK_ATTRIBUTE, handle)
+                    self._hook_handles.append(handle)
 
-    def _make_hook(self) -> Any:
-        def hook(p: torch.Tensor) -> None:
-            # The countdown reaches zero exactly when this gradient has been handed to an
-            # allreduce (or to its group); it is reset only by synchronize().
-            if self._allreduce_delay[p] <= 0:
-                raise AssertionError(_TOO_MANY_PASSES)
-            self._allreduce_delay[p] -= 1
-            if self._allreduce_delay[p] > 0:
-                return
-            group = self._group_of.get(p)
-            if group is None:
-                self._handles[p] = self._allreduce_grad_async(p)
-                return
-            ready = self._group_ready.setdefault(group, set())
-            ready.add(p)
-            if len(ready) == len(group):
-                del self._group_ready[group]
-                self._handles[group] = self._grouped_allreduce_async(group)
-
-        return hook
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        # The countdown reaches zero exactly when this gradient has been handed to an
+        # allreduce (or to its group); it is reset only by synchronize().
+        if self._allreduce_delay[p] <= 0:
+            raise AssertionError(_TOO_MANY_PASSES)
+        self._allreduce_delay[p] -= 1
+        if self._allreduce_delay[p] > 0:
+            return
+        group = self._group_of.get(p)
+        if group is None:
+            self._handles[p] = self._allreduce_grad_async(p)
+            return
+        ready = self._group_ready.setdefault(group, set())
+        ready.add(p)
+        if len(ready) == len(group):
+            del self._group_ready[group]
+            self._handles[group] = self._grouped_allreduce_async(group)
 
     def _factors(self) -> tuple[float, float]:
         if self.op == ReduceOp.AVERAGE:
@@ -254,6 +259,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         super(self.__class__, self).load_state_dict(state_dict)  # type: ignore[misc]
+
+
+def _make_hook(owner: weakref.ref[Any]) -> Any:
+    """The hook holds its optimizer weakly, so that a dropped optimizer is freed (and its
+    hooks fall silent) instead of being kept alive by the parameters."""
+
+    def hook(p: torch.Tensor) -> None:
+        optimizer = owner()
+        if optimizer is not None:
+            optimizer._on_gradient(p)
+
+    return hook
 
 
 def _check_named_parameters(named_parameters: Any, param_groups: list[dict[str, Any]]) -> list[

@@ -8,8 +8,10 @@ gradient (what ``op=Average`` promises), computed by running every rank's loss l
 from __future__ import annotations
 
 import copy
+import gc
 import re
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -648,3 +650,26 @@ def test_broadcast_optimizer_state_before_any_step(rank: int, size: int) -> None
     assert len(optimizer.state) == 0  # no step was taken to create state
     assert optimizer.param_groups[0]["lr"] == 0.1
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_replacing_the_optimizer(rank: int, size: int) -> None:
+    """A new DistributedOptimizer on the same model replaces the old one's hooks once the
+    old one is dropped (e.g. a new phase of training with other hyperparameters)."""
+    model, ref = mlp(), mlp()
+    ref_optimizer = sgd(ref.parameters())
+    for phase in range(2):
+        optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                             named_parameters=model.named_parameters())
+        ref_optimizer = sgd(ref.parameters())
+        for step in range(2):
+            optimizer.zero_grad()
+            mse(model, rank, 10 * phase + step).backward()
+            optimizer.step()
+            ref_optimizer.zero_grad()
+            reference_backward(ref, mse, size, 10 * phase + step)
+            ref_optimizer.step()
+        alive = weakref.ref(optimizer)
+        del optimizer
+        gc.collect()
+        assert alive() is None, "the parameters' hooks keep the old optimizer alive"
+    assert_same_parameters(model, ref)
