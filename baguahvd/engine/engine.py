@@ -68,6 +68,8 @@ class ProcessSetState:
     """Global ranks, sorted."""
     comm: Communicator | None
     """Communicator of the members; None on ranks outside the set."""
+    device_comm: Communicator | None = None
+    """NCCL communicator of the members, created at the set's first GPU collective."""
 
     def includes(self, rank: int) -> bool:
         return rank in self.ranks
@@ -229,6 +231,8 @@ class Engine:
 
     def _remove_process_set(self, ident: int) -> None:
         state = self.process_sets.pop(ident, None)
+        if state is not None and state.device_comm is not None:
+            state.device_comm.free()
         if state is not None and state.comm is not None:
             state.comm.free()
         self._cache.evict_process_set(ident)
@@ -574,7 +578,24 @@ class Engine:
         state = self.process_sets.get(response.process_set_id)
         if state is None or state.comm is None:
             return
+        if response.device != "CPU" and response.error is None:
+            self._execute(unit, self._device_comm(state, state.comm))
+            return
         self._execute(unit, state.comm)
+
+    @staticmethod
+    def _device_comm(state: ProcessSetState, comm: Communicator) -> Communicator:
+        """The set's NCCL communicator, created on first use: every member runs the agreed
+        responses in the same order, so all of them create it in the same response."""
+        if isinstance(comm, SelfCommunicator):
+            return comm
+        if state.device_comm is None:
+            from baguahvd.backends.mpi import MPICommunicator
+            from baguahvd.backends.nccl import NCCLCommunicator
+
+            assert isinstance(comm, MPICommunicator)
+            state.device_comm = NCCLCommunicator(comm.comm)
+        return state.device_comm
 
     # Grad mode is per thread and on by default, here as in the user's thread (single-member
     # sets): the collectives write users' tensors as raw buffers, leaves that require grad
@@ -626,7 +647,12 @@ class Engine:
                 self._finish(request, None)
         except Exception as exc:  # noqa: BLE001 - reported through the handles
             logger.exception("%s failed", response.name)
-            error = HorovodInternalError(f"{response.name} failed: {exc}")
+            # Named failures (an NCCL error or timeout) keep their class for ``except``.
+            error = (
+                exc
+                if isinstance(exc, HorovodInternalError)
+                else HorovodInternalError(f"{response.name} failed: {exc}")
+            )
             for request in requests:
                 if not request.handle.done():
                     self._finish(request, error=error)
@@ -686,6 +712,8 @@ def _itemsize(dtype: str) -> int:
 
 
 def _device_label(tensor: torch.Tensor | None) -> str:
+    # The kind only, as Horovod compares it: each rank drives its own GPU (usually
+    # cuda:<local_rank>), so indices differ across ranks of one collective.
     if tensor is None or tensor.device.type == "cpu":
         return "CPU"
-    return f"GPU:{tensor.device.index}"
+    return "GPU"

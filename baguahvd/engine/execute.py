@@ -60,16 +60,16 @@ def scale_(tensor: torch.Tensor, factor: float) -> None:
 
 
 class FusionBuffers:
-    """One reusable flat buffer per dtype, grown on demand."""
+    """One reusable flat buffer per dtype and device, grown on demand."""
 
     def __init__(self) -> None:
-        self._buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def get(self, dtype: torch.dtype, count: int, device: torch.device) -> torch.Tensor:
-        buffer = self._buffers.get(dtype)
-        if buffer is None or buffer.numel() < count or buffer.device != device:
+        buffer = self._buffers.get((dtype, device))
+        if buffer is None or buffer.numel() < count:
             buffer = torch.empty(count, dtype=dtype, device=device)
-            self._buffers[dtype] = buffer
+            self._buffers[(dtype, device)] = buffer
         return buffer[:count]
 
 
@@ -84,13 +84,24 @@ def _factors(response: Response, group_size: int) -> tuple[ReduceOp, float, floa
     return op, response.prescale, post
 
 
+def _joined_device(comm: Communicator, response: Response) -> torch.device:
+    """Where a member that joined puts its zeros: the GPU its communicator uses."""
+    if response.device == "CPU":
+        return torch.device("cpu")
+    device = getattr(comm, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def _inputs_outputs(
-    entry: Entry, dtype: torch.dtype
+    entry: Entry, dtype: torch.dtype, comm: Communicator
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     response, request = entry
     if request is None:
         # A member that joined: it contributes zeros and keeps nothing.
-        zeros = [torch.zeros(shape, dtype=dtype) for shape in response.shapes]
+        device = _joined_device(comm, response)
+        zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape in response.shapes]
         return zeros, zeros
     assert request.outputs is not None
     return request.inputs, request.outputs
@@ -102,12 +113,12 @@ def allreduce(comm: Communicator, entries: Sequence[Entry], buffers: FusionBuffe
     dtype = DTYPES[first.dtype]
     if first.reduce_op == ReduceOp.ADASUM:
         for entry in entries:
-            inputs, outputs = _inputs_outputs(entry, dtype)
+            inputs, outputs = _inputs_outputs(entry, dtype, comm)
             for tensor_in, tensor_out in zip(inputs, outputs):
                 adasum(comm, tensor_in, tensor_out, first.prescale, first.postscale)
         return
     op, pre, post = _factors(first, comm.size)
-    pairs = [pair for entry in entries for pair in zip(*_inputs_outputs(entry, dtype))]
+    pairs = [pair for entry in entries for pair in zip(*_inputs_outputs(entry, dtype, comm))]
     if len(pairs) == 1:
         tensor_in, tensor_out = pairs[0]
         source = scaled(tensor_in, pre) if pre != 1.0 else tensor_in

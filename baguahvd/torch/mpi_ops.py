@@ -90,11 +90,12 @@ def _check_tensor(tensor: Any, allowed: frozenset[torch.dtype], what: str) -> to
         raise ValueError(f"{what} expects a dense tensor; use sparse_allreduce_async.")
     if tensor.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{what}: tensors on {tensor.device} are not supported.")
-    if tensor.device.type == "cuda":
+    # Probing imports CuPy, so only the first CUDA tensor pays for it (the answer is cached).
+    if tensor.device.type == "cuda" and not capabilities.nccl_built():
         raise HorovodInternalError(
-            f"{what}: CUDA tensors need baguahvd's GPU backend, which is not available in "
-            "this installation; install it with `pip install baguahvd[cuda12]`, or move the "
-            "tensor to the CPU."
+            f"{what}: CUDA tensors need baguahvd's GPU backend (CuPy with NCCL), which is not "
+            "available in this installation; install it with `pip install baguahvd[cuda12]`, "
+            "or move the tensor to the CPU."
         )
     return tensor
 
@@ -1011,7 +1012,8 @@ def join(device: int = -1) -> int:
     has joined. Returns the rank that joined last, the same on every rank.
 
     Args:
-        device: accepted for compatibility; CPU tensors stand in for the zeros.
+        device: accepted for compatibility; the zeros go where the collective runs (for
+            GPU collectives, the GPU of this rank's earlier GPU collectives).
     """
     engine = runtime.require_engine()
     handle = engine.submit(OpType.JOIN, "join", GLOBAL_PROCESS_SET_ID, [], None)

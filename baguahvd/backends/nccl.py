@@ -1,0 +1,475 @@
+"""NCCL through CuPy: the collectives of CUDA tensors.
+
+One :class:`NCCLCommunicator` spans the members of one process set. It is built around the
+set's MPI communicator and does nothing until its first CUDA tensor arrives; then it imports
+CuPy (the only CuPy import of the collectives), the set's first rank creates an NCCL unique
+id, MPI broadcasts it to the members and every member creates its NCCL communicator on the
+tensor's device. The engine runs every member's collectives in the same order, so that lazy
+creation is itself collective.
+
+Each communicator has its own CUDA stream. A collective waits for the work already queued on
+torch's current stream (an event recorded there, waited on by the NCCL stream), and torch's
+current stream waits for the collective (an event recorded on the NCCL stream) before it runs
+anything that reads the results. The engine thread then watches the completion event with a
+deadline instead of blocking in CUDA: an NCCL error reported asynchronously, or a collective
+that does not finish in time (a peer died or never called it), aborts the communicator and
+raises :class:`NCCLError` or :class:`NCCLTimeoutError` instead of hanging.
+
+Buffers are handed to NCCL as raw device pointers (``data_ptr()``), without copies.
+Reductions need a type NCCL knows; collectives that only move data send bytes, so they work
+for every dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from baguahvd.backends.base import Communicator
+from baguahvd.common.exceptions import HorovodInternalError
+from baguahvd.common.ops import ReduceOp
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+"""How long a collective may take before the communicator is aborted (torch's NCCL default)."""
+
+BFLOAT16_MIN_VERSION = 21000
+"""NCCL 2.10 is the first to reduce bfloat16."""
+
+_INSTALL_HINT = (
+    "CUDA tensors need CuPy with NCCL: install baguahvd's GPU extra with "
+    '`pip install "baguahvd[cuda12]"` next to a CUDA build of torch, or move the tensors to '
+    "the CPU."
+)
+
+# NCCL's names of the types it reduces, by torch dtype; bfloat16 joins when NCCL allows it.
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.int8: "NCCL_INT8",
+    torch.uint8: "NCCL_UINT8",
+    torch.int32: "NCCL_INT32",
+    torch.int64: "NCCL_INT64",
+    torch.float16: "NCCL_FLOAT16",
+    torch.float32: "NCCL_FLOAT32",
+    torch.float64: "NCCL_FLOAT64",
+}
+_BFLOAT16_NAME = "NCCL_BFLOAT16"
+
+_OP_NAMES: dict[ReduceOp, str] = {
+    ReduceOp.SUM: "NCCL_SUM",
+    ReduceOp.PRODUCT: "NCCL_PROD",
+    ReduceOp.MIN: "NCCL_MIN",
+    ReduceOp.MAX: "NCCL_MAX",
+}
+
+_FIRST_POLL_S = 2e-6
+_LONGEST_POLL_S = 1e-3
+
+
+class NCCLError(HorovodInternalError):
+    """An NCCL call failed, or the communicator had been aborted by an earlier failure.
+
+    Once a communicator is aborted every later collective of its process set raises this
+    error; the job has to be restarted (or, in elastic mode, reset).
+    """
+
+
+class NCCLTimeoutError(NCCLError):
+    """A collective did not finish within the communicator's timeout; the communicator was
+    aborted so that no rank stays blocked in it. Usually a peer died or skipped the call."""
+
+
+class NCCLUnavailableError(HorovodInternalError):
+    """A CUDA tensor reached the collectives but CuPy with NCCL cannot be imported."""
+
+    def __init__(self, reason: str = "") -> None:
+        super().__init__(f"{_INSTALL_HINT}{f' ({reason})' if reason else ''}")
+
+
+def import_cupy() -> Any:
+    """Imports CuPy and its NCCL bindings, deferred to the first CUDA tensor because the
+    import is slow and needs a CUDA driver.
+
+    Raises:
+        NCCLUnavailableError: CuPy, or its NCCL bindings, cannot be imported.
+    """
+    try:
+        import cupy
+        import cupy.cuda.nccl
+    except ImportError as exc:
+        raise NCCLUnavailableError(str(exc)) from exc
+    if not getattr(cupy.cuda.nccl, "available", True):
+        raise NCCLUnavailableError("CuPy was built without NCCL")
+    return cupy
+
+
+def dtype_table(nccl: Any) -> dict[torch.dtype, int]:
+    """NCCL's type codes, by the torch dtypes it can reduce."""
+    table = {dtype: int(getattr(nccl, name)) for dtype, name in _DTYPE_NAMES.items()}
+    if hasattr(nccl, _BFLOAT16_NAME) and int(nccl.get_version()) >= BFLOAT16_MIN_VERSION:
+        table[torch.bfloat16] = int(getattr(nccl, _BFLOAT16_NAME))
+    return table
+
+
+def op_table(nccl: Any) -> dict[ReduceOp, int]:
+    """NCCL's reduction codes, by :class:`ReduceOp` (AVERAGE and ADASUM are built on SUM by
+    the engine)."""
+    return {op: int(getattr(nccl, name)) for op, name in _OP_NAMES.items()}
+
+
+def tensor_device(tensor: torch.Tensor) -> torch.device:
+    """The CUDA device of ``tensor``, with its index filled in."""
+    if tensor.device.type != "cuda":
+        raise ValueError(f"the NCCL backend needs CUDA tensors, got one on {tensor.device}.")
+    index = tensor.device.index
+    return torch.device("cuda", torch.cuda.current_device() if index is None else index)
+
+
+def current_stream_ptr(device: torch.device) -> int:
+    """The handle of this thread's current torch stream on ``device``."""
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _ptr(tensor: torch.Tensor, offset: int = 0) -> int:
+    """The device address of element ``offset`` of a contiguous tensor."""
+    assert tensor.is_contiguous(), "the engine hands NCCL contiguous buffers only"
+    return int(tensor.data_ptr()) + offset * tensor.element_size()
+
+
+def _offsets(counts: Sequence[int]) -> list[int]:
+    offsets, total = [], 0
+    for count in counts:
+        offsets.append(total)
+        total += count
+    return offsets
+
+
+class NCCLCommunicator(Communicator):
+    """A :class:`Communicator` over NCCL for CUDA tensors of one device per process.
+
+    Args:
+        comm: the process set's mpi4py communicator; it carries the NCCL unique id from the
+            set's first rank to the others when the NCCL communicator is created.
+        timeout_s: how long one collective may run before the communicator is aborted and
+            :class:`NCCLTimeoutError` raised.
+    """
+
+    def __init__(self, comm: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
+        self.comm = comm
+        self.rank = int(comm.Get_rank())
+        self.size = int(comm.Get_size())
+        self.timeout_s = float(timeout_s)
+        self._cupy: Any = None
+        self._nccl: Any = None
+        self._dtypes: dict[torch.dtype, int] = {}
+        self._ops: dict[ReduceOp, int] = {}
+        self._device: torch.device | None = None
+        self._handle: Any = None
+        self._stream: Any = None
+        self._aborted: str | None = None
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device the NCCL communicator lives on; ``None`` before its first collective."""
+        return self._device
+
+    # ----------------------------------------------------------------------------------
+    # Creation
+
+    def _load(self) -> Any:
+        if self._nccl is None:
+            cupy = import_cupy()
+            self._dtypes = dtype_table(cupy.cuda.nccl)
+            self._ops = op_table(cupy.cuda.nccl)
+            self._cupy, self._nccl = cupy, cupy.cuda.nccl
+        return self._nccl
+
+    def _bind(self, device: torch.device) -> None:
+        """Creates the NCCL communicator on ``device``: collective over the members."""
+        if self._aborted is not None:
+            raise NCCLError(f"the NCCL communicator was aborted earlier: {self._aborted}")
+        if self._handle is not None:
+            if device != self._device:
+                raise NCCLError(
+                    f"this process set's NCCL communicator lives on {self._device}, but a "
+                    f"tensor on {device} was submitted; use one GPU per process "
+                    "(torch.cuda.set_device(hvd.local_rank())) and keep tensors on it."
+                )
+            return
+        nccl = self._load()
+        cupy = self._cupy
+        with cupy.cuda.Device(device.index):
+            unique_id = nccl.get_unique_id() if self.rank == 0 else None
+            unique_id = self.comm.bcast(unique_id, root=0)
+            try:
+                handle = nccl.NcclCommunicator(self.size, unique_id, self.rank)
+            except nccl.NcclError as exc:
+                raise NCCLError(
+                    f"creating the NCCL communicator of {self.size} ranks on {device} failed: "
+                    f"{exc}"
+                ) from exc
+            self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._handle = handle
+        self._device = device
+        logger.debug("NCCL communicator of %d ranks created on %s", self.size, device)
+
+    def _reduce_type(self, dtype: torch.dtype) -> int:
+        self._load()
+        try:
+            return self._dtypes[dtype]
+        except KeyError:
+            raise TypeError(f"The NCCL backend cannot reduce tensors of type {dtype}.") from None
+
+    def _reduce_op(self, op: ReduceOp) -> int:
+        self._load()
+        try:
+            return self._ops[op]
+        except KeyError:
+            raise ValueError(f"The NCCL backend cannot reduce with {op.name} directly.") from None
+
+    def _needs_widening(self, dtype: torch.dtype) -> bool:
+        # bfloat16 before NCCL 2.10: reduced in float32 and rounded once at the end.
+        self._load()
+        return dtype == torch.bfloat16 and dtype not in self._dtypes
+
+    def _move_type(self, tensor: torch.Tensor) -> tuple[int, int]:
+        """The NCCL type that moves ``tensor`` and the number of those per element: its own
+        type when NCCL has one, else bytes (bool, int16, ...)."""
+        self._load()
+        code = self._dtypes.get(tensor.dtype)
+        if code is not None:
+            return code, 1
+        return self._dtypes[torch.uint8], tensor.element_size()
+
+    # ----------------------------------------------------------------------------------
+    # Running one collective
+
+    def _run(self, what: str, device: torch.device, launch: Callable[[Any, int], None]) -> None:
+        """Runs ``launch(nccl_communicator, stream_handle)`` on the NCCL stream, ordered after
+        torch's current stream and before whatever it runs next, and waits for completion
+        with the timeout."""
+        self._bind(device)
+        cupy = self._cupy
+        with cupy.cuda.Device(device.index):
+            consumer = cupy.cuda.ExternalStream(current_stream_ptr(device))
+            ready = cupy.cuda.Event(disable_timing=True)
+            ready.record(consumer)
+            self._stream.wait_event(ready)
+            try:
+                launch(self._handle, self._stream.ptr)
+            except self._nccl.NcclError as exc:
+                raise NCCLError(f"NCCL {what} on {device} failed: {exc}") from exc
+            done = cupy.cuda.Event(disable_timing=True)
+            done.record(self._stream)
+            consumer.wait_event(done)
+        self._wait(done, what, device)
+
+    @contextmanager
+    def _group(self) -> Iterator[None]:
+        """NCCL calls issued inside run as one operation (needed for send/recv pairs)."""
+        self._nccl.groupStart()
+        try:
+            yield
+        finally:
+            self._nccl.groupEnd()
+
+    def _wait(self, done: Any, what: str, device: torch.device) -> None:
+        """Polls ``done`` between short sleeps (which leave the GIL to the training thread),
+        checking NCCL's asynchronous error state, until it fires or the deadline passes."""
+        deadline = time.monotonic() + self.timeout_s
+        delay = _FIRST_POLL_S
+        while not done.done:
+            self._check_async_error(what, device)
+            if time.monotonic() >= deadline:
+                reason = (
+                    f"NCCL {what} on {device} did not finish within {self.timeout_s:g} s; a "
+                    "peer may have died or not submitted the same collective"
+                )
+                self.abort(reason)
+                raise NCCLTimeoutError(f"{reason}. The NCCL communicator was aborted.")
+            time.sleep(delay)
+            delay = min(delay * 2, _LONGEST_POLL_S)
+
+    def _check_async_error(self, what: str, device: torch.device) -> None:
+        check = getattr(self._handle, "check_async_error", None)
+        if check is None:
+            return
+        try:
+            check()
+        except self._nccl.NcclError as exc:
+            reason = f"NCCL {what} on {device} failed: {exc}"
+            self.abort(reason)
+            raise NCCLError(f"{reason}. The NCCL communicator was aborted.") from exc
+
+    def abort(self, reason: str) -> None:
+        """Aborts the NCCL communicator (``ncclCommAbort``), which also ends the kernels still
+        waiting on peers; every later collective raises :class:`NCCLError`."""
+        self._aborted = reason
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return
+        logger.error("aborting the NCCL communicator: %s", reason)
+        try:
+            handle.abort()
+        except (AttributeError, RuntimeError) as exc:
+            # NCCL older than 2.4 has no abort; its kernels may stay resident.
+            logger.error("could not abort the NCCL communicator: %s", exc)
+
+    # ----------------------------------------------------------------------------------
+    # Collectives
+
+    def allreduce(self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp) -> None:
+        device = tensor_device(tensor_out)
+        if self._needs_widening(tensor_out.dtype):
+            wide = tensor_in.float()
+            self.allreduce(wide, wide, op)
+            tensor_out.copy_(wide)
+            return
+        dtype = self._reduce_type(tensor_out.dtype)
+        nccl_op = self._reduce_op(op)
+        send, recv, count = _ptr(tensor_in), _ptr(tensor_out), tensor_out.numel()
+        self._run(
+            "allreduce",
+            device,
+            lambda comm, stream: comm.allReduce(send, recv, count, dtype, nccl_op, stream),
+        )
+
+    def allgather(
+        self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, counts: Sequence[int]
+    ) -> None:
+        device = tensor_device(tensor_out)
+        dtype, per_element = self._move_type(tensor_out)
+        offsets = _offsets(counts)
+        counts = list(counts)
+
+        def launch(comm: Any, stream: int) -> None:
+            if len(set(counts)) == 1:
+                comm.allGather(
+                    _ptr(tensor_in), _ptr(tensor_out), counts[0] * per_element, dtype, stream
+                )
+                return
+            # Uneven blocks: every rank broadcasts its block into place.
+            with self._group():
+                for root, (count, offset) in enumerate(zip(counts, offsets)):
+                    if count == 0:
+                        continue
+                    target = _ptr(tensor_out, offset)
+                    source = _ptr(tensor_in) if root == self.rank else target
+                    comm.broadcast(source, target, count * per_element, dtype, root, stream)
+
+        self._run("allgather", device, launch)
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        device = tensor_device(tensor)
+        dtype, per_element = self._move_type(tensor)
+        address, count = _ptr(tensor), tensor.numel() * per_element
+        self._run(
+            "broadcast",
+            device,
+            lambda comm, stream: comm.broadcast(address, address, count, dtype, root, stream),
+        )
+
+    def alltoall(
+        self,
+        tensor_in: torch.Tensor,
+        send_counts: Sequence[int],
+        tensor_out: torch.Tensor,
+        recv_counts: Sequence[int],
+    ) -> None:
+        device = tensor_device(tensor_out)
+        dtype, per_element = self._move_type(tensor_out)
+        send_offsets, recv_offsets = _offsets(send_counts), _offsets(recv_counts)
+
+        def launch(comm: Any, stream: int) -> None:
+            with self._group():
+                for peer in range(self.size):
+                    if send_counts[peer]:
+                        comm.send(
+                            _ptr(tensor_in, send_offsets[peer]),
+                            send_counts[peer] * per_element, dtype, peer, stream,
+                        )
+                    if recv_counts[peer]:
+                        comm.recv(
+                            _ptr(tensor_out, recv_offsets[peer]),
+                            recv_counts[peer] * per_element, dtype, peer, stream,
+                        )
+
+        self._run("alltoall", device, launch)
+
+    def reduce_scatter(
+        self,
+        tensor_in: torch.Tensor,
+        tensor_out: torch.Tensor,
+        counts: Sequence[int],
+        op: ReduceOp,
+    ) -> None:
+        device = tensor_device(tensor_out)
+        if self._needs_widening(tensor_out.dtype):
+            wide_out = torch.empty(tensor_out.shape, dtype=torch.float32, device=device)
+            self.reduce_scatter(tensor_in.float(), wide_out, counts, op)
+            tensor_out.copy_(wide_out)
+            return
+        dtype = self._reduce_type(tensor_out.dtype)
+        nccl_op = self._reduce_op(op)
+        offsets = _offsets(counts)
+        counts = list(counts)
+
+        def launch(comm: Any, stream: int) -> None:
+            if len(set(counts)) == 1:
+                comm.reduceScatter(
+                    _ptr(tensor_in), _ptr(tensor_out), counts[0], dtype, nccl_op, stream
+                )
+                return
+            # Uneven blocks: one reduce per block, to the rank that keeps it.
+            with self._group():
+                for root, (count, offset) in enumerate(zip(counts, offsets)):
+                    if count == 0:
+                        continue
+                    source = _ptr(tensor_in, offset)
+                    target = _ptr(tensor_out) if root == self.rank else source
+                    comm.reduce(source, target, count, dtype, nccl_op, root, stream)
+
+        self._run("reduce_scatter", device, launch)
+
+    def sendrecv(self, tensor_out: torch.Tensor, tensor_in: torch.Tensor, peer: int) -> None:
+        device = tensor_device(tensor_in)
+        dtype, per_element = self._move_type(tensor_in)
+        count = tensor_in.numel() * per_element
+
+        def launch(comm: Any, stream: int) -> None:
+            with self._group():
+                comm.send(_ptr(tensor_out), count, dtype, peer, stream)
+                comm.recv(_ptr(tensor_in), count, dtype, peer, stream)
+
+        self._run("sendrecv", device, launch)
+
+    def barrier(self) -> None:
+        # NCCL has no barrier: a one-element allreduce that everybody waits for is one.
+        device = self._device
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        token = torch.zeros(1, dtype=torch.int32, device=device)
+        self.allreduce(token, token, ReduceOp.SUM)
+
+    def free(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.destroy()
+
+
+def local_communicator(topology: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> NCCLCommunicator:
+    """An NCCL communicator of the ranks on this node (``topology.local_comm``)."""
+    return NCCLCommunicator(topology.local_comm, timeout_s)
+
+
+def cross_communicator(topology: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> NCCLCommunicator:
+    """An NCCL communicator of the ranks with this rank's local rank on every node
+    (``topology.cross_comm``)."""
+    return NCCLCommunicator(topology.cross_comm, timeout_s)
