@@ -236,6 +236,16 @@ class Engine:
         if state is not None and state.comm is not None:
             state.comm.free()
         self._cache.evict_process_set(ident)
+        # Requests that were waiting on the removed set's cached responses can never run.
+        for slot, request in list(self._waiting_on_cache.items()):
+            if request.meta.process_set_id == ident:
+                del self._waiting_on_cache[slot]
+                self._finish(
+                    request,
+                    error=HorovodInternalError(
+                        f"{request.meta.name}: process set {ident} was removed."
+                    ),
+                )
 
     # ----------------------------------------------------------------------------------
     # Lifecycle
