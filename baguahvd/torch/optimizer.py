@@ -40,7 +40,6 @@ _STEP_AFTER_SYNC = (
     "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
     "code."
 )
-KNOWN_ALGORITHMS = ("gradient_allreduce",)
 _HOOK_ATTRIBUTE = "_baguahvd_allreduce_hook"
 
 
@@ -375,7 +374,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
     *,
-    algorithm: str | None = None,
+    algorithm: Any = None,
 ) -> torch.optim.Optimizer:
     """Wraps ``optimizer`` so that gradients are averaged across ranks before each step.
 
@@ -397,8 +396,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
             lists of parameters, each allreduced as one unit.
         sparse_as_dense: allreduce sparse gradients as dense tensors.
         process_set: the ranks that average gradients.
-        algorithm: the communication algorithm (keyword only); default Horovod's allreduce,
-            or the ``BAGUAHVD_ALGORITHM`` setting.
+        algorithm: a Bagua algorithm (keyword only): a registered name such as
+            ``"bytegrad"`` or an algorithm object carrying hyperparameters. Default: the
+            ``BAGUAHVD_ALGORITHM`` setting, else Horovod's per-gradient allreduce.
     """
     reduce_op = to_reduce_op(op)
     if gradient_predivide_factor != 1.0 and reduce_op != ReduceOp.AVERAGE:
@@ -416,13 +416,35 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
     chosen = algorithm
     if chosen is None and runtime.config is not None:
         chosen = runtime.config.algorithm
-    if chosen is not None and chosen not in KNOWN_ALGORITHMS:
-        raise ValueError(
-            f"Unknown algorithm {chosen!r}; known algorithms: {', '.join(KNOWN_ALGORITHMS)}."
+    if chosen is not None:
+        from baguahvd.algorithms import resolve
+        from baguahvd.torch.algorithm_optimizer import make_algorithm_optimizer
+
+        resolved = resolve(chosen)
+        if reduce_op != ReduceOp.AVERAGE or compression is not Compression.none or groups:
+            raise ValueError(
+                f"algorithm={resolved.name!r} does its own reduction and compression; "
+                "op, compression and groups only apply to Horovod's allreduce (algorithm=None)."
+            )
+        return make_algorithm_optimizer(
+            optimizer, named_parameters, resolved, backward_passes_per_step, process_set
         )
     if reduce_op == Adasum and runtime.size() > 1:
-        raise NotImplementedError(
-            "DistributedOptimizer with op=Adasum is not available yet; use op=Average."
+        from baguahvd.torch.adasum_optimizer import _DistributedAdasumOptimizer
+
+        if process_set is not global_process_set:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        adasum_cls = type(
+            optimizer.__class__.__name__,
+            (optimizer.__class__,),
+            dict(_DistributedAdasumOptimizer.__dict__),
+        )
+        return adasum_cls(  # type: ignore[no-any-return]
+            optimizer.param_groups,
+            _check_named_parameters(named_parameters, optimizer.param_groups),
+            compression,
+            backward_passes_per_step,
+            process_set,
         )
     cls = type(
         optimizer.__class__.__name__,
