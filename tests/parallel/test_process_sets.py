@@ -383,6 +383,9 @@ def test_join_counts_for_process_set_allreduce(rank: int, size: int) -> None:
                 process_set=everyone_but_last,
             )
             assert torch.equal(result, torch.full((2,), float(sum(range(1, size - 1)))))
+        # Completes only once rank 0's join is known, so rank 0 cannot be the last to join.
+        world = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="joined_set_world")
+        assert torch.equal(world, torch.full((2,), float(size - 1)))
         last = hvd.join()
     assert last != first
     assert hvd.allgather_object(last, name="joined_set_result") == [last] * size
