@@ -434,6 +434,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
 
         if process_set is not global_process_set:
             raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        if runtime.size() & (runtime.size() - 1):
+            raise NotImplementedError(
+                "Running Adasum with non-power of 2 ranks is not supported yet."
+            )
         adasum_cls = type(
             optimizer.__class__.__name__,
             (optimizer.__class__,),
