@@ -56,6 +56,7 @@ from baguahvd.torch.mpi_ops import (
     synchronize,
 )
 from baguahvd.torch.optimizer import DistributedOptimizer
+from baguahvd.torch.sync_batch_norm import SyncBatchNorm
 
 init = _runtime.init
 shutdown = _runtime.shutdown
@@ -86,6 +87,7 @@ __all__ = [
     "Product",
     "ProcessSet",
     "Sum",
+    "SyncBatchNorm",
     "add_process_set",
     "allgather",
     "allgather_async",
