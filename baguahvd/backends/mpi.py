@@ -144,9 +144,54 @@ class MPICommunicator(Communicator):
     def barrier(self) -> None:
         self.comm.Barrier()
 
+    def iallreduce(
+        self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp
+    ) -> PendingRequest:
+        """Starts :meth:`allreduce` without waiting; ``tensor_out`` holds the result once
+        the returned request's ``test()`` is True. Both tensors must stay untouched until
+        then."""
+        mpi_op = _mpi_op(op)
+        if tensor_out.dtype in _WIDENED:
+            wide = tensor_in.float()
+            request = self.comm.Iallreduce(MPI.IN_PLACE, _typed(wide), op=mpi_op)
+            return PendingRequest(
+                request, (wide,), lambda: tensor_out.copy_(wide.view_as(tensor_out))
+            )
+        if tensor_in is tensor_out or tensor_in.data_ptr() == tensor_out.data_ptr():
+            request = self.comm.Iallreduce(MPI.IN_PLACE, _typed(tensor_out), op=mpi_op)
+        else:
+            request = self.comm.Iallreduce(_typed(tensor_in), _typed(tensor_out), op=mpi_op)
+        return PendingRequest(request, (tensor_in, tensor_out))
+
+    def ibarrier(self) -> PendingRequest:
+        """Starts :meth:`barrier` without waiting."""
+        return PendingRequest(self.comm.Ibarrier(), ())
+
     def free(self) -> None:
         if self.comm != MPI.COMM_NULL and self.comm != MPI.COMM_WORLD:
             self.comm.Free()
+
+
+class PendingRequest:
+    """A started non-blocking collective. Polling it with :meth:`test` (rather than waiting
+    inside MPI) lets the caller give up, sleep between polls and keep the GIL free."""
+
+    def __init__(
+        self, request: Any, keep_alive: tuple[torch.Tensor, ...], finish: Any = None
+    ) -> None:
+        self._request = request
+        self._keep_alive = keep_alive
+        self._finish = finish
+        self._done = False
+
+    def test(self) -> bool:
+        """Whether the collective has completed (its output is then in place)."""
+        if not self._done and self._request.Test():
+            self._done = True
+            if self._finish is not None:
+                self._finish()
+            self._keep_alive = ()
+        return self._done
 
 
 class Controller:
@@ -259,6 +304,21 @@ def communicator_from_ranks(ranks: Sequence[int]) -> Any:
     group = world_comm.Get_group().Incl(list(ranks))
     try:
         return world_comm.Create_group(group, tag=1)
+    finally:
+        group.Free()
+
+
+def new_communicator(base: Any, ranks: Sequence[int] | None = None) -> MPICommunicator | None:
+    """A new communicator over ``base``: a duplicate of all of it (collective over every
+    rank of ``base``) or of its ``ranks`` (collective over those ranks only; ``None`` on the
+    others). Nothing else ever communicates on it."""
+    if ranks is None or sorted(ranks) == list(range(base.Get_size())):
+        return MPICommunicator(base.Dup())
+    if base.Get_rank() not in ranks:
+        return None
+    group = base.Get_group().Incl(sorted(ranks))
+    try:
+        return MPICommunicator(base.Create_group(group, tag=2))
     finally:
         group.Free()
 

@@ -10,7 +10,7 @@ import atexit
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from baguahvd.common import capabilities, logging_setup
 from baguahvd.common.config import Config
@@ -23,6 +23,9 @@ from baguahvd.common.process_sets import ProcessSet, global_process_set
 from baguahvd.engine.engine import GLOBAL_PROCESS_SET_ID, Engine
 from baguahvd.engine.messages import OpType
 from baguahvd.engine.requests import Handle
+
+if TYPE_CHECKING:
+    from baguahvd.backends.mpi import MPICommunicator
 
 logger = logging.getLogger("baguahvd")
 
@@ -71,6 +74,8 @@ class Runtime:
         self._shut_down = False
         self._lock = threading.RLock()
         self._atexit_registered = False
+        self._base_comm: Any = None
+        self._shutdown_callbacks: list[Callable[[], None]] = []
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -160,12 +165,20 @@ class Runtime:
         global_process_set.process_set_id = GLOBAL_PROCESS_SET_ID
         self.config = config
         self.topology = topology
+        self._base_comm = base
         self.engine = engine
         self._shut_down = False
         engine.start()
 
     def shutdown(self) -> None:
         """Stops baguahvd on this rank; peers see their later collectives fail."""
+        with self._lock:
+            callbacks, self._shutdown_callbacks = self._shutdown_callbacks, []
+        for callback in reversed(callbacks):
+            try:
+                callback()
+            except Exception:
+                logger.exception("a shutdown callback failed")
         with self._lock:
             self.handles.clear()
             engine = self.engine
@@ -177,6 +190,34 @@ class Runtime:
 
     def is_initialized(self) -> bool:
         return self.engine is not None
+
+    def on_shutdown(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Calls ``callback()`` at the start of the next :meth:`shutdown` (also the one at
+        interpreter exit), newest first, while the engine still runs. Returns a function
+        that cancels the call."""
+        with self._lock:
+            self._shutdown_callbacks.append(callback)
+
+        def cancel() -> None:
+            with self._lock:
+                self._shutdown_callbacks = [
+                    c for c in self._shutdown_callbacks if c is not callback
+                ]
+
+        return cancel
+
+    def new_communicator(self, ranks: Sequence[int] | None = None) -> MPICommunicator | None:
+        """A private MPI communicator for a thread of baguahvd's own (async model averaging):
+        a duplicate of the job's communicator, or of its ``ranks`` only.
+
+        Collective: every rank (or every rank in ``ranks``) calls it, in the same order;
+        non-members get ``None``. Using it from a thread other than the engine's needs
+        MPI_THREAD_MULTIPLE (see :meth:`mpi_threads_supported`).
+        """
+        self.require_engine()
+        from baguahvd.backends import mpi
+
+        return mpi.new_communicator(self._base_comm, ranks)
 
     # -- access --------------------------------------------------------------------------
 
