@@ -94,7 +94,10 @@ class Runtime:
         """
         with self._lock:
             self.handles.clear()
-            if self.engine is not None and self.engine.running:
+            # Idempotent, like Horovod: an engine that a peer's shutdown stopped stays in
+            # place (its collectives raise the shutdown error) rather than starting a
+            # collective re-initialisation that the departed peers would never join.
+            if self.engine is not None:
                 return
             config = Config.from_env()
             if process_sets == "dynamic":
