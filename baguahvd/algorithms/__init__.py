@@ -9,17 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from baguahvd.algorithms.async_model_average import AsyncModelAverageAlgorithm
 from baguahvd.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl
 from baguahvd.algorithms.bytegrad import ByteGradAlgorithm
 from baguahvd.algorithms.decentralized import DecentralizedAlgorithm
 from baguahvd.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 from baguahvd.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
+from baguahvd.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
 
 _REGISTRY: dict[str, Callable[[], Algorithm]] = {
     GradientAllReduceAlgorithm.name: GradientAllReduceAlgorithm,
     ByteGradAlgorithm.name: ByteGradAlgorithm,
     DecentralizedAlgorithm.name: DecentralizedAlgorithm,
     LowPrecisionDecentralizedAlgorithm.name: LowPrecisionDecentralizedAlgorithm,
+    AsyncModelAverageAlgorithm.name: AsyncModelAverageAlgorithm,
+    QAdamAlgorithm.name: QAdamAlgorithm,
 }
 
 
@@ -49,10 +53,13 @@ __all__ = [
     "Algorithm",
     "AlgorithmContext",
     "AlgorithmImpl",
+    "AsyncModelAverageAlgorithm",
     "ByteGradAlgorithm",
     "DecentralizedAlgorithm",
     "GradientAllReduceAlgorithm",
     "LowPrecisionDecentralizedAlgorithm",
+    "QAdamAlgorithm",
+    "QAdamOptimizer",
     "known_algorithms",
     "register",
     "resolve",

@@ -64,6 +64,12 @@ class _AlgorithmOptimizer(torch.optim.Optimizer):
             for _, p in trainable:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
+    @property
+    def algorithm_impl(self) -> Any:
+        """The algorithm bound to this optimizer (None on a single rank), e.g. for the async
+        algorithm's ``abort()`` and ``resume()``."""
+        return self._impl
+
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._countdown[p] <= 0:
             raise AssertionError(self._messages[1])
