@@ -206,6 +206,12 @@ def check_positive(name: str, value: float, allow_zero: bool = False) -> None:
         raise ValueError(f"{name} must be {bound}, got {value!r}.")
 
 
+def check_bool(name: str, value: Any) -> None:
+    """Raises ``ValueError`` naming the hyperparameter unless ``value`` is a bool."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r}.")
+
+
 def check_int(name: str, value: Any, minimum: int) -> None:
     """Raises ``ValueError`` naming the hyperparameter unless ``value`` is an int >= minimum."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

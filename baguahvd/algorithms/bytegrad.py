@@ -24,6 +24,7 @@ from baguahvd.algorithms.base import (
     AlgorithmImpl,
     GradientAlgorithmImpl,
     bucket_name,
+    check_bool,
 )
 from baguahvd.algorithms.buckets import Bucket
 from baguahvd.algorithms.hierarchy import Hierarchy
@@ -71,10 +72,8 @@ class ByteGradAlgorithm(Algorithm):
     name = "bytegrad"
 
     def __init__(self, hierarchical: bool = True, average: bool = True) -> None:
-        if not isinstance(hierarchical, bool):
-            raise ValueError(f"hierarchical must be a bool, got {hierarchical!r}.")
-        if not isinstance(average, bool):
-            raise ValueError(f"average must be a bool, got {average!r}.")
+        check_bool("hierarchical", hierarchical)
+        check_bool("average", average)
         self.hierarchical = hierarchical
         self.average = average
 

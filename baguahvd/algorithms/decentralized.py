@@ -32,6 +32,7 @@ from baguahvd.algorithms.base import (
     AlgorithmImpl,
     Worker,
     bucket_name,
+    check_bool,
     check_int,
 )
 from baguahvd.algorithms.buckets import Bucket, split_into_buckets
@@ -119,8 +120,7 @@ class DecentralizedAlgorithm(Algorithm):
         peer_selection_mode: str = "all",
         communication_interval: int = 1,
     ) -> None:
-        if not isinstance(hierarchical, bool):
-            raise ValueError(f"hierarchical must be a bool, got {hierarchical!r}.")
+        check_bool("hierarchical", hierarchical)
         if peer_selection_mode not in PEER_SELECTION_MODES:
             raise ValueError(
                 f"peer_selection_mode must be one of {', '.join(map(repr, PEER_SELECTION_MODES))}"

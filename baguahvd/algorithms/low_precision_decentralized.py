@@ -36,6 +36,7 @@ from baguahvd.algorithms.base import (
     AlgorithmContext,
     AlgorithmImpl,
     bucket_name,
+    check_bool,
     check_int,
 )
 from baguahvd.algorithms.buckets import split_into_buckets
@@ -88,8 +89,7 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     name: ClassVar[str] = "low_precision_decentralized"
 
     def __init__(self, hierarchical: bool = True, communication_interval: int = 1) -> None:
-        if not isinstance(hierarchical, bool):
-            raise ValueError(f"hierarchical must be a bool, got {hierarchical!r}.")
+        check_bool("hierarchical", hierarchical)
         check_int("communication_interval", communication_interval, 1)
         self.hierarchical = hierarchical
         self.communication_interval = communication_interval

@@ -48,6 +48,7 @@ from baguahvd.algorithms.base import (
     AlgorithmImpl,
     GradientAlgorithmImpl,
     bucket_name,
+    check_bool,
 )
 from baguahvd.algorithms.buckets import Bucket
 from baguahvd.algorithms.bytegrad import compressed_average
@@ -213,8 +214,7 @@ class QAdamAlgorithm(Algorithm):
                 f"q_adam_optimizer must be a QAdamOptimizer or None, got "
                 f"{type(q_adam_optimizer).__name__}."
             )
-        if not isinstance(hierarchical, bool):
-            raise ValueError(f"hierarchical must be a bool, got {hierarchical!r}.")
+        check_bool("hierarchical", hierarchical)
         self.q_adam_optimizer = q_adam_optimizer
         self.hierarchical = hierarchical
 
