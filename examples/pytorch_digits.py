@@ -5,9 +5,16 @@ Horovod's PyTorch MNIST example, sized for CPUs and needing no download. Run it 
     baguahvdrun -np 2 python examples/pytorch_digits.py
 
 Changing the import below back to ``import horovod.torch as hvd`` runs it on Horovod.
+
+``--algorithm NAME`` (baguahvd only) picks one of Bagua's communication algorithms. With
+decentralized and asynchronous ones (decentralized, low_precision_decentralized, async) the
+ranks' models differ, so the model evaluated is their average (Bagua: evaluate per rank or
+average explicitly); async averaging is aborted around each evaluation and checkpoint, as
+Bagua requires. qadam trains with Adam (a QAdamOptimizer, see --qadam-warmup-steps).
 """
 
 import argparse
+import copy
 import os
 
 import torch
@@ -26,7 +33,10 @@ parser = argparse.ArgumentParser(description="PyTorch digits example",
 parser.add_argument("--batch-size", type=int, default=32, help="input batch size per rank")
 parser.add_argument("--test-batch-size", type=int, default=256, help="batch size for testing")
 parser.add_argument("--epochs", type=int, default=5, help="number of epochs to train")
-parser.add_argument("--lr", type=float, default=0.02, help="learning rate for a single rank")
+parser.add_argument("--optimizer", choices=["sgd", "adam"], default=None,
+                    help="optimizer (default: adam with --algorithm qadam, else sgd)")
+parser.add_argument("--lr", type=float, default=None,
+                    help="learning rate for a single rank (default: 0.02 for SGD, 0.001 for Adam)")
 parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
 parser.add_argument("--seed", type=int, default=42, help="random seed")
 parser.add_argument("--log-interval", type=int, default=10,
@@ -39,6 +49,8 @@ parser.add_argument("--checkpoint-dir", default=None,
                     help="save a checkpoint here after every epoch and resume from the latest")
 parser.add_argument("--algorithm", default=None,
                     help="baguahvd communication algorithm (baguahvd only; default: allreduce)")
+parser.add_argument("--qadam-warmup-steps", type=int, default=100,
+                    help="with --algorithm qadam: Adam steps before the compressed stage")
 parser.add_argument("--no-cuda", action="store_true", default=False,
                     help="disables CUDA training")
 
@@ -89,11 +101,27 @@ def datasets(seed):
     return train, test
 
 
+# Algorithms after which every rank holds a model of its own.
+MODEL_AVERAGING = ("decentralized", "low_precision_decentralized", "async")
+
+
 def checkpoint_path(epoch):
     return os.path.join(args.checkpoint_dir, f"checkpoint-{epoch}.pt")
 
 
+def pause_averaging():
+    # Bagua's async algorithm must be aborted before evaluating or saving the model.
+    if args.algorithm == "async" and optimizer.algorithm_impl is not None:
+        optimizer.algorithm_impl.abort()
+
+
+def resume_averaging():
+    if args.algorithm == "async" and optimizer.algorithm_impl is not None:
+        optimizer.algorithm_impl.resume()
+
+
 def train(epoch):
+    resume_averaging()
     model.train()
     # Horovod: set epoch to sampler for shuffling.
     train_sampler.set_epoch(epoch)
@@ -127,15 +155,27 @@ def metric_average(val, name):
     return avg_tensor.item()
 
 
+def model_to_evaluate():
+    """The model, or with a decentralized or asynchronous algorithm the ranks' average."""
+    if args.algorithm not in MODEL_AVERAGING:
+        return model
+    averaged = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in averaged.named_parameters():
+            p.copy_(hvd.allreduce(p, name=f"average.{name}"))
+    return averaged
+
+
 def test():
-    model.eval()
+    net = model_to_evaluate()
+    net.eval()
     test_loss = 0.0
     test_accuracy = 0.0
     with torch.no_grad():
         for data, target in test_loader:
             if args.cuda:
                 data, target = data.cuda(), target.cuda()
-            output = model(data)
+            output = net(data)
             # sum up batch loss
             test_loss += F.nll_loss(output, target, reduction="sum").item()
             # get the index of the max log-probability
@@ -193,8 +233,23 @@ if __name__ == "__main__":
         model.cuda()
 
     # Horovod: scale learning rate by the number of ranks (the global batch grows with it).
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(),
-                                momentum=args.momentum)
+    if args.optimizer is None:
+        args.optimizer = "adam" if args.algorithm == "qadam" else "sgd"
+    if args.lr is None:
+        args.lr = 0.001 if args.optimizer == "adam" else 0.02
+    if args.algorithm == "qadam":
+        # Adam whose second moment freezes after the warmup (baguahvd only).
+        from baguahvd.algorithms import QAdamOptimizer
+
+        if args.optimizer != "adam":
+            parser.error("--algorithm qadam trains with Adam (--optimizer adam)")
+        optimizer = QAdamOptimizer(model.parameters(), lr=args.lr * hvd.size(),
+                                   warmup_steps=args.qadam_warmup_steps)
+    elif args.optimizer == "adam":
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr * hvd.size())
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(),
+                                    momentum=args.momentum)
 
     # Horovod: (optional) compression algorithm.
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
@@ -234,6 +289,7 @@ if __name__ == "__main__":
     test_accuracy = None
     for epoch in range(resume_from_epoch, args.epochs):
         train(epoch)
+        pause_averaging()
         test_loss, test_accuracy = test()
         if verbose:
             print(f"Epoch {epoch + 1}: test loss {test_loss:.4f}, "
