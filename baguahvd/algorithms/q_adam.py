@@ -33,6 +33,11 @@ gradient; here the first ``W`` steps are complete Adam steps, which also makes
 :class:`QAdamOptimizer` stepping without the algorithm (one process) keeps updating ``m``
 with its gradient after warmup (step 3a without 3b) instead of freezing it. As in Bagua,
 weight decay has no effect after warmup.
+
+A third departure fixes a divergence: elements whose ``v`` froze at exactly zero (no
+gradient during all of warmup, e.g. inactive ReLU units) would take steps of ``lr·m/eps``
+once their gradient appears; they take ``v`` from the averaged ``m`` instead, once (see
+:func:`seed_unset_second_moment`).
 """
 
 from __future__ import annotations
@@ -88,6 +93,24 @@ def advance(state: dict[str, Any]) -> float:
         return float(step.item())
     state["step"] = step + 1
     return float(step + 1)
+
+
+def seed_unset_second_moment(state: dict[str, Any], group: dict[str, Any], t: float) -> None:
+    """Gives frozen second-moment elements that are still exactly zero a value from ``m``.
+
+    An element whose gradient was zero through all of warmup (a unit that stayed inactive)
+    freezes with ``v = 0``; once its gradient appears, Bagua's update divides ``m`` by
+    ``eps`` alone and takes a step ~1e8 times too large, which diverges. Such elements take
+    ``v = m^2 (1 - β2^t)`` instead (so ``v̂ = m^2`` and the step has Adam's size) the first
+    time their ``m`` is nonzero, and stay frozen from then on. ``m`` is the averaged
+    momentum, the same on every rank, so ``v`` stays identical across ranks.
+    """
+    v = state["exp_avg_sq"]
+    m = state["exp_avg"]
+    unset = (v == 0) & (m != 0)
+    if bool(unset.any()):
+        beta2 = group["betas"][1]
+        v[unset] = m[unset].square() * (1 - beta2**t)
 
 
 def adam_update(p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], t: float) -> None:
@@ -181,6 +204,7 @@ class QAdamOptimizer(torch.optim.Optimizer):
                     state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 else:
                     state["exp_avg"].lerp_(grad, 1 - beta1)
+                    seed_unset_second_moment(state, group, t)
                 adam_update(p, state, group, t)
         return loss
 
@@ -340,7 +364,10 @@ class QAdamImpl(GradientAlgorithmImpl):
         with torch.no_grad():
             for _, p in self.context.parameters:
                 state = self._state[p]
-                adam_update(p, state, self._group_of[id(p)], advance(state))
+                group = self._group_of[id(p)]
+                t = advance(state)
+                seed_unset_second_moment(state, group, t)
+                adam_update(p, state, group, t)
         return loss
 
     def post_step(self) -> None:
