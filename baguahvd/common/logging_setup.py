@@ -26,7 +26,8 @@ class _RankFormatter(logging.Formatter):
         self.hide_time = hide_time
 
     def format(self, record: logging.LogRecord) -> str:
-        letter = record.levelname[:1]
+        # Horovod's letters: T, D, I, W, E and F (fatal) for logging's CRITICAL.
+        letter = "F" if record.levelno >= logging.CRITICAL else record.levelname[:1]
         where = f"{record.module}.py:{record.lineno}"
         message = record.getMessage()
         if record.exc_info:
@@ -34,7 +35,7 @@ class _RankFormatter(logging.Formatter):
         if self.hide_time:
             return f"[{letter} rank {self.rank} {where}] {message}"
         stamp = self.formatTime(record, "%Y-%m-%d %H:%M:%S")
-        micros = int(record.msecs * 1000)
+        micros = int(record.created % 1 * 1_000_000)
         return f"[{stamp}.{micros:06d}: {letter} rank {self.rank} {where}] {message}"
 
 
