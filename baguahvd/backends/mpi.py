@@ -205,6 +205,9 @@ class Controller:
         self.comm = comm.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
+        # Used once, at exit after a failure, while the engine's communicator may be stuck
+        # in a collective that will never complete.
+        self._exit_comm = comm.Dup()
 
     def bitwise_and(self, words: np.ndarray) -> np.ndarray:
         """Returns the bitwise AND of ``words`` over all ranks.
@@ -262,8 +265,24 @@ class Controller:
             group.Free()
         return MPICommunicator(comm)
 
+    def exit_barrier(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for every rank to call this too; False on timeout."""
+        request = self._exit_comm.Ibarrier()
+        deadline = time.monotonic() + timeout_s
+        while not request.Test():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    @staticmethod
+    def abort(code: int) -> None:
+        """Ends every process of the job (MPI_Abort on MPI_COMM_WORLD)."""
+        MPI.COMM_WORLD.Abort(code)
+
     def free(self) -> None:
         self.comm.Free()
+        self._exit_comm.Free()
 
 
 class Topology:

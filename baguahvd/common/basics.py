@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
 import threading
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from baguahvd.common import capabilities, logging_setup
@@ -22,6 +24,7 @@ from baguahvd.common.exceptions import (
 from baguahvd.common.process_sets import ProcessSet, global_process_set
 from baguahvd.engine.engine import GLOBAL_PROCESS_SET_ID, Engine
 from baguahvd.engine.messages import OpType
+from baguahvd.engine.notices import describe_exception
 from baguahvd.engine.requests import Handle
 
 if TYPE_CHECKING:
@@ -76,6 +79,8 @@ class Runtime:
         self._atexit_registered = False
         self._base_comm: Any = None
         self._shutdown_callbacks: list[Callable[[], None]] = []
+        self._stopped_engine: Engine | None = None
+        self._previous_excepthook: Callable[..., Any] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -112,7 +117,9 @@ class Runtime:
                 logger.exception("initialization failed")
                 raise ValueError(_INIT_FAILED) from exc
             if not self._atexit_registered:
-                atexit.register(self.shutdown)
+                atexit.register(self._at_exit)
+                self._previous_excepthook = sys.excepthook
+                sys.excepthook = self._excepthook
                 self._atexit_registered = True
 
     def _start(self, config: Config, comm: Any, process_sets: list[ProcessSet]) -> None:
@@ -174,7 +181,15 @@ class Runtime:
         engine.start()
 
     def shutdown(self) -> None:
-        """Stops baguahvd on this rank; peers see their later collectives fail."""
+        """Stops baguahvd on this rank; peers see their later collectives fail.
+
+        Called while an exception propagates (in an ``except`` or ``finally`` block, or at
+        exit after an uncaught one), it tells the other ranks that this rank failed and
+        why: their collectives raise ``PeerFailureError`` with this exception's text.
+        """
+        self._shutdown(_failure(sys.exc_info()[1]))
+
+    def _shutdown(self, failure: str | None) -> None:
         with self._lock:
             callbacks, self._shutdown_callbacks = self._shutdown_callbacks, []
         for callback in reversed(callbacks):
@@ -189,7 +204,28 @@ class Runtime:
                 return
             self.engine = None
             self._shut_down = True
-        engine.shutdown()
+            self._stopped_engine = engine
+        engine.shutdown(failure)
+
+    def _at_exit(self) -> None:
+        # The exception that ended the script, if the excepthook did not see it (a user's
+        # hook replaced ours).
+        self._shutdown(_failure(getattr(sys, "last_value", None)))
+        engine = self._stopped_engine
+        if engine is not None:
+            # After a failure MPI_Finalize could wait forever for a rank that never exits.
+            engine.leave_job()
+
+    def _excepthook(
+        self, kind: type[BaseException], value: BaseException, tb: TracebackType | None
+    ) -> None:
+        """Tells the other ranks at once that this rank dies of ``value``, before the
+        interpreter joins threads and runs exit handlers; then reports it as usual."""
+        engine = self.engine
+        if engine is not None:
+            engine.fail(describe_exception(value, tb))
+        previous = self._previous_excepthook or sys.__excepthook__
+        previous(kind, value, tb)
 
     def is_initialized(self) -> bool:
         return self.engine is not None
@@ -372,6 +408,13 @@ class Runtime:
     def process_set_ids_and_ranks(self) -> dict[int, list[int]]:
         engine = self.require_engine()
         return {ident: list(state.ranks) for ident, state in engine.process_sets.items()}
+
+
+def _failure(exc: BaseException | None) -> str | None:
+    """How ``exc`` is named to the other ranks; None when it is no failure (sys.exit)."""
+    if exc is None or isinstance(exc, SystemExit):
+        return None
+    return describe_exception(exc)
 
 
 def _check_ranks(ranks: Sequence[int], size: int) -> None:

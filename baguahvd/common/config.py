@@ -40,8 +40,14 @@ def _as_bool(env: Mapping[str, str], name: str, default: bool = False) -> bool:
         ) from None
 
 
-def _as_number(env: Mapping[str, str], name: str, default: float, kind: type = float) -> float:
-    value = _lookup(env, name)
+def _as_number(
+    env: Mapping[str, str],
+    name: str,
+    default: float,
+    kind: type = float,
+    horovod_alias: bool = True,
+) -> float:
+    value = _lookup(env, name, horovod_alias)
     if value is None:
         return default
     try:
@@ -76,13 +82,30 @@ class Config:
     hierarchical_allgather: bool = False
     """Gather inside the node first (HOROVOD_HIERARCHICAL_ALLGATHER)."""
     stall_check_disable: bool = False
-    """Turn the stall inspector off (HOROVOD_STALL_CHECK_DISABLE)."""
+    """Turn the stall inspector off, warnings and shutdown alike
+    (HOROVOD_STALL_CHECK_DISABLE)."""
     stall_check_time_s: float = 60.0
-    """Seconds before warning that some ranks have not submitted a request
-    (HOROVOD_STALL_CHECK_TIME_SECONDS)."""
-    stall_shutdown_time_s: float = 0.0
-    """Seconds before a stall becomes an error on every rank; 0 never
-    (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS)."""
+    """Seconds before rank 0 warns that some ranks have submitted a collective that others
+    have not (HOROVOD_STALL_CHECK_TIME_SECONDS)."""
+    stall_shutdown_time_s: float = 600.0
+    """Seconds before such a stall stops the job: every rank raises ``StallError`` naming
+    the stalled collectives and the missing ranks (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS).
+    Horovod never shuts down by default; baguahvd does, after ten minutes, so that a job
+    whose ranks went separate ways ends instead of hanging. 0 turns it off; a value below
+    the warning time also turns it off (with a warning), as in Horovod. Raise it for
+    programs where one rank legitimately works alone for longer (e.g. a long evaluation
+    on rank 0 while the others wait in a collective)."""
+    peer_timeout_s: float = 600.0
+    """Seconds a negotiation cycle may wait for the other ranks before this rank declares
+    the job broken and fails every collective with ``PeerFailureError``; 0 waits forever
+    (BAGUAHVD_PEER_TIMEOUT_SECONDS). Cycles run every few milliseconds even when idle, so
+    only a dead, frozen or deadlocked peer stops them. A peer on the same node whose
+    process is gone is noticed within about two seconds whatever this says."""
+    exit_timeout_s: float = 30.0
+    """After a failure (a peer's exception, a stall shutdown, a dead peer), how long a
+    rank's exit waits for the other ranks to exit too before it ends the whole job with
+    MPI_Abort (BAGUAHVD_EXIT_TIMEOUT_SECONDS). Without it MPI_Finalize would wait forever
+    for a rank that is stuck or sleeping."""
     log_level: str = "warning"
     """trace, debug, info, warning, error or fatal (HOROVOD_LOG_LEVEL)."""
     log_hide_time: bool = False
@@ -140,6 +163,12 @@ class Config:
             ),
             stall_shutdown_time_s=_as_number(
                 env, "STALL_SHUTDOWN_TIME_SECONDS", cls.stall_shutdown_time_s
+            ),
+            peer_timeout_s=_as_number(
+                env, "PEER_TIMEOUT_SECONDS", cls.peer_timeout_s, horovod_alias=False
+            ),
+            exit_timeout_s=_as_number(
+                env, "EXIT_TIMEOUT_SECONDS", cls.exit_timeout_s, horovod_alias=False
             ),
             log_level=log_level,
             log_hide_time=_as_bool(env, "LOG_HIDE_TIME"),

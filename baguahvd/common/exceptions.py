@@ -70,6 +70,38 @@ class ShutDownError(HorovodInternalError):
         super().__init__(message)
 
 
+class PeerFailureError(ShutDownError):
+    """A rank failed: it raised an exception, died, or its engine broke down.
+
+    Raised on every other rank from the collectives that were pending and from later ones.
+
+    Attributes:
+        rank: the first rank that failed (-1 when the failing rank is not known, e.g. when
+            peers stopped answering).
+        reason: that rank's exception as ``Type: message``, or what was observed.
+    """
+
+    def __init__(self, rank: int, reason: str) -> None:
+        who = f"rank {rank}" if rank >= 0 else "a rank"
+        HorovodInternalError.__init__(self, f"{who} failed: {reason}\n{SHUT_DOWN_MESSAGE}")
+        self.rank = rank
+        self.reason = reason
+
+
+class StallError(ShutDownError):
+    """Some ranks waited on collectives that others never submitted for longer than
+    ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``; raised on every rank.
+
+    Attributes:
+        missing: tensor name -> the ranks that had not submitted it.
+    """
+
+    def __init__(self, report: str, missing: dict[str, list[int]]) -> None:
+        HorovodInternalError.__init__(self, f"{report}\n{SHUT_DOWN_MESSAGE}")
+        self.report = report
+        self.missing = missing
+
+
 class MismatchError(HorovodInternalError):
     """Ranks submitted incompatible requests under one name; raised on every rank involved."""
 

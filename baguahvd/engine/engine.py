@@ -12,6 +12,12 @@ User threads call :meth:`Engine.submit`, which queues a :class:`Request` and ret
 
 A cycle starts as soon as a request is submitted, or after ``cycle_time_ms`` otherwise.
 Process sets with a single member never leave the calling thread.
+
+Nothing waits forever. A rank that shuts down, fails (an uncaught exception, a broken
+engine) or whose collectives stall past the shutdown time (rank 0's
+:mod:`~baguahvd.engine.stall` inspector) ends the job in the next cycle with a
+:mod:`~baguahvd.engine.notices` notice that every rank turns into the same error; a peer
+that dies or freezes is noticed by the :mod:`~baguahvd.engine.watchdog`.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -33,6 +40,7 @@ from baguahvd.common.exceptions import (
     DuplicateNameError,
     HorovodInternalError,
     MismatchError,
+    PeerFailureError,
     ProcessSetError,
     ShutDownError,
 )
@@ -40,7 +48,17 @@ from baguahvd.common.ops import ReduceOp
 from baguahvd.engine import execute
 from baguahvd.engine.cache import Lookup, ResponseCache
 from baguahvd.engine.messages import OpType, RequestMeta, Response, build_response
+from baguahvd.engine.notices import (
+    Decision,
+    Notice,
+    NoticeKind,
+    RankReport,
+    describe_exception,
+    first_notice,
+)
 from baguahvd.engine.requests import Handle, Request
+from baguahvd.engine.stall import StallInspector
+from baguahvd.engine.watchdog import Watchdog, process_identity
 
 if TYPE_CHECKING:
     # Importing baguahvd.backends.mpi starts MPI; that must wait for init(), which picks the
@@ -81,22 +99,36 @@ class ProcessSetState:
 class _Coordinator:
     """Rank 0's table of requests that not every member has submitted yet."""
 
-    def __init__(self, stall_warning_s: float) -> None:
+    def __init__(self, inspector: StallInspector) -> None:
         self.table: dict[tuple[int, str], dict[int, RequestMeta]] = {}
-        self.first_seen: dict[tuple[int, str], float] = {}
-        self.warned: set[tuple[int, str]] = set()
         self.joined: list[int] = []
-        self.stall_warning_s = stall_warning_s
+        self.inspector = inspector
 
-    def add(self, metas: Sequence[RequestMeta]) -> None:
-        for meta in metas:
+    def decide(
+        self,
+        reports: Sequence[RankReport],
+        process_sets: dict[int, ProcessSetState],
+        world_size: int,
+    ) -> Decision:
+        """Rank 0's answer to the cycle's reports: the collectives every member has now
+        submitted or, when a rank announced the end of the job, that end alone."""
+        notice = first_notice(report.notice for report in reports)
+        if notice is not None:
+            return Decision([], (), notice)
+        now = time.monotonic()
+        for report in reports:
+            self.add(report.metas, report.waited, now)
+        return Decision(self.ready(process_sets, world_size), tuple(self.joined))
+
+    def add(self, metas: Sequence[RequestMeta], waited: Sequence[float], now: float) -> None:
+        for meta, age in zip(metas, waited):
             ident = (meta.process_set_id, meta.key)
             if meta.op == OpType.JOIN:
                 if meta.rank not in self.joined:
                     self.joined.append(meta.rank)
                 continue
             self.table.setdefault(ident, {})[meta.rank] = meta
-            self.first_seen.setdefault(ident, time.monotonic())
+            self.inspector.seen(ident, now - age)
 
     def ready(
         self, process_sets: dict[int, ProcessSetState], world_size: int
@@ -141,30 +173,16 @@ class _Coordinator:
 
     def _forget(self, ident: tuple[int, str]) -> None:
         del self.table[ident]
-        self.first_seen.pop(ident, None)
-        self.warned.discard(ident)
+        self.inspector.forget(ident)
 
-    def check_stalls(self, process_sets: dict[int, ProcessSetState]) -> None:
-        now = time.monotonic()
-        for ident, since in self.first_seen.items():
-            if ident in self.warned or now - since < self.stall_warning_s:
-                continue
-            self.warned.add(ident)
-            process_set = process_sets.get(ident[0])
-            submitted = self.table[ident]
-            members = process_set.ranks if process_set else ()
-            missing = [r for r in members if r not in submitted]
-            name = next(iter(submitted.values())).name
-            logger.warning(
-                "One or more tensors were submitted to be reduced, gathered or broadcasted by "
-                "subset of ranks and are waiting for remainder of ranks for more than %d "
-                "seconds. This may indicate that different ranks are trying to submit "
-                "different tensors or that only subset of ranks is submitting tensors, which "
-                "will cause deadlock.\nMissing ranks:\n%s: %s",
-                int(self.stall_warning_s),
-                name,
-                missing,
-            )
+    def check_stalls(
+        self, process_sets: dict[int, ProcessSetState], now: float
+    ) -> Notice | None:
+        """Reports stalled requests; returns the notice that ends the job past the stall
+        shutdown time."""
+        if not self.table:
+            return None
+        return self.inspector.check(self.table, process_sets, self.joined, now)
 
 
 class Engine:
@@ -192,9 +210,14 @@ class Engine:
         self._noname: dict[int, int] = {}
         self._last_arrival = 0.0
         self._arrival_gap = 1.0
-        self._shutdown_requested = False
+        self._notice: Notice | None = None
+        """This rank's announcement of the end of the job, sent in the next cycle."""
         self._stopped: BaseException | None = None
+        self.abnormal = False
+        """Whether the engine stopped because something failed (see :meth:`leave_job`)."""
+        self._peer_gone = False
         self._thread: threading.Thread | None = None
+        self._watchdog: Watchdog | None = None
         # Engine-thread state.
         self._cache = ResponseCache(config.cache_capacity)
         self._waiting_on_cache: dict[int, Request] = {}
@@ -203,12 +226,13 @@ class Engine:
         self._sent: dict[tuple[int, str], Request] = {}
         self._join_mode = False
         self._buffers = execute.FusionBuffers()
+        self._executing: list[Request] = []
+        self._in_cycle = False
+        self._inspector = StallInspector(
+            config.stall_check_time_s, config.stall_shutdown_time_s, config.stall_check_disable
+        )
         self._coordinator = (
-            _Coordinator(
-                float("inf") if config.stall_check_disable else config.stall_check_time_s
-            )
-            if self.rank == 0
-            else None
+            _Coordinator(self._inspector) if self.rank == 0 else None
         )
         self.cycles = 0
 
@@ -251,26 +275,97 @@ class Engine:
     # Lifecycle
 
     def start(self) -> None:
+        """Starts the engine thread (collective: every rank calls it during ``init()``)."""
         if self.size == 1:
             return
+        identities = self.controller.allgather_ints(process_identity())
         self._thread = threading.Thread(target=self._run, name="baguahvd-engine", daemon=True)
+        self._watchdog = Watchdog(
+            self.rank, identities, lambda: self.cycles, self._peer_lost,
+            self.config.peer_timeout_s,
+        )
         self._thread.start()
+        self._watchdog.start()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Stops the engine on every rank: the others notice in their next cycle."""
-        with self._lock:
-            self._shutdown_requested = True
-        self._wake.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-            if self._thread.is_alive():
+    def shutdown(self, failure: str | None = None, timeout: float = 30.0) -> None:
+        """Stops the engine on every rank: the others notice in their next cycle.
+
+        Args:
+            failure: why this rank stops, when it fails (``Type: message``); the other
+                ranks' collectives then raise ``PeerFailureError`` with it.
+            timeout: seconds to wait for the last cycle (a dead peer never completes it).
+        """
+        self._announce(failure)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            deadline = time.monotonic() + timeout
+            # A failure noticed meanwhile (a dead peer) may leave the thread stuck in MPI.
+            while thread.is_alive() and time.monotonic() < deadline and not self.abnormal:
+                thread.join(0.05)
+            if thread.is_alive() and not self.abnormal:
                 logger.warning(
                     "the engine thread did not stop within %.0f s (a peer may have died)",
                     timeout,
                 )
-        if self._stopped is None:
-            self._stopped = ShutDownError()
-        self._fail_everything(self._stopped)
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        self._stop(ShutDownError())
+
+    def fail(self, reason: str) -> None:
+        """Ends the job because this rank failed, without waiting: every other rank's
+        pending and later collectives raise ``PeerFailureError`` naming this rank and
+        ``reason``. Called on an uncaught exception, before the interpreter exits."""
+        self._announce(reason)
+
+    def _announce(self, failure: str | None) -> None:
+        with self._lock:
+            if self._notice is None and self._stopped is None:
+                kind = NoticeKind.SHUTDOWN if failure is None else NoticeKind.FAILURE
+                self._notice = Notice(kind, self.rank, failure or "")
+        self._wake.set()
+
+    def _stop(self, error: BaseException, abnormal: bool = False) -> None:
+        """Fails every pending and later request with ``error`` (the first error wins)."""
+        with self._lock:
+            if self._stopped is None:
+                self._stopped = error
+            self.abnormal = self.abnormal or abnormal
+            stopped = self._stopped
+        self._fail_everything(stopped)
+
+    def _peer_lost(self, rank: int, reason: str) -> None:
+        """The watchdog's verdict: the engine thread may be stuck in MPI for good."""
+        error = PeerFailureError(rank, reason)
+        logger.error("%s", error)
+        self._peer_gone = True
+        self._stop(error, abnormal=True)
+
+    def leave_job(self) -> None:
+        """At interpreter exit, after a failure stopped the engine: waits up to
+        ``exit_timeout_s`` for every rank to get here too, then lets MPI finalize; ends the
+        whole job with MPI_Abort instead when some rank does not come (it is stuck, asleep
+        or dead: MPI_Finalize would wait for it forever)."""
+        if not self.abnormal or self.size == 1:
+            return
+        thread = self._thread
+        if self._peer_gone or (thread is not None and thread.is_alive()):
+            self._abort("a peer is gone, so MPI cannot finish")
+        elif not self.controller.exit_barrier(self.config.exit_timeout_s):
+            self._abort(
+                f"not every rank exited within {self.config.exit_timeout_s:g} s of the "
+                "failure (BAGUAHVD_EXIT_TIMEOUT_SECONDS)"
+            )
+
+    def _abort(self, why: str) -> None:
+        logger.error("ending the job with MPI_Abort: %s", why)
+        for handler in logging.getLogger("baguahvd").handlers:
+            handler.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        self.controller.abort(1)
 
     @property
     def running(self) -> bool:
@@ -387,7 +482,7 @@ class Engine:
             except (AttributeError, OSError) as exc:
                 logger.warning("could not pin the engine thread: %s", exc)
         try:
-            while True:
+            while self._stopped is None:
                 # While requests are in flight, the next cycle starts at once: peers are
                 # waiting for this rank to announce what it has.
                 in_flight = self._sent or self._waiting_on_cache or self._to_send
@@ -396,11 +491,40 @@ class Engine:
                 self._let_burst_finish()
                 if not self._cycle():
                     break
-            self._stopped = ShutDownError()
         except BaseException as exc:  # noqa: BLE001 - the error is handed to every waiter
-            logger.exception("the engine stopped after an internal error")
-            self._stopped = HorovodInternalError(f"baguahvd engine failed: {exc!r}")
-        self._fail_everything(self._stopped)
+            self._internal_error(exc)
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.stop()
+
+    def _internal_error(self, exc: BaseException) -> None:
+        """A bug in the engine: fail this rank's requests and make sure the others do not
+        wait for it forever."""
+        logger.exception("the engine stopped after an internal error")
+        reason = f"baguahvd engine failed: {describe_exception(exc)}"
+        in_step = not self._in_cycle
+        self._stop(PeerFailureError(self.rank, reason), abnormal=True)
+        if in_step:
+            # Between cycles every rank is at the same point of the protocol: announce the
+            # failure in one more cycle, as an uncaught exception would.
+            try:
+                self._announce_end(Notice(NoticeKind.FAILURE, self.rank, reason))
+                return
+            except BaseException:  # noqa: BLE001 - falls back to ending the job
+                logger.exception("could not tell the other ranks")
+        self._abort("the engine failed in the middle of a cycle; the other ranks would wait "
+                    "for it forever")
+
+    def _announce_end(self, notice: Notice) -> None:
+        """Runs the announcing half of a cycle with nothing but ``notice`` in it."""
+        span = (self._cache.capacity + 7) // 8
+        flags = 0xFF & ~_FLAG_NOTHING_TO_SEND & ~_FLAG_NO_SHUTDOWN
+        words = np.concatenate(
+            [np.zeros(span, dtype=np.uint8), np.full(span, 0xFF, dtype=np.uint8),
+             np.array([flags], dtype=np.uint8)]
+        )
+        self.controller.bitwise_and(words)
+        self._exchange(RankReport([], [], notice))
 
     def _let_burst_finish(self) -> None:
         """Waits for a burst of submissions (a backward pass, a loop of async calls) to end
@@ -429,9 +553,12 @@ class Engine:
         self.cycles += 1
         with self._lock:
             new, self._queue = self._queue, []
-            shutting_down = self._shutdown_requested
+            notice = self._notice
         for request in new:
             self._admit(request)
+        now = time.monotonic()
+        if self._inspector.due(now):
+            self._check_stalls(now)
 
         capacity = self._cache.capacity
         hits = self._cache.not_member.copy()
@@ -442,18 +569,27 @@ class Engine:
             valid[list(self._stale_slots)] = False
             self._stale_slots.clear()
         flags = 0xFF
-        if self._to_send:
+        if self._to_send or notice is not None:
             flags &= ~_FLAG_NOTHING_TO_SEND
-        if shutting_down:
+        if notice is not None:
             flags &= ~_FLAG_NO_SHUTDOWN
         words = np.concatenate(
             [np.packbits(hits), np.packbits(valid), np.array([flags], dtype=np.uint8)]
         )
+        # From here until the cycle ends, ranks are in the middle of the same exchange.
+        self._in_cycle = True
         agreed = self.controller.bitwise_and(words)
         span = (capacity + 7) // 8
+        flags = int(agreed[-1])
+        if not flags & _FLAG_NO_SHUTDOWN:
+            # Some rank announced the end of the job: this cycle runs nothing.
+            decision = self._negotiate(notice)
+            final = decision.notice or Notice(NoticeKind.SHUTDOWN, -1)
+            self._stop(final.error(self.rank), abnormal=final.abnormal)
+            self._in_cycle = False
+            return False
         ready = np.unpackbits(agreed[:span])[:capacity].astype(bool)
         still_valid = np.unpackbits(agreed[span : 2 * span])[:capacity].astype(bool)
-        flags = int(agreed[-1])
 
         for slot in np.flatnonzero(~still_valid).tolist():
             ready[slot] = False
@@ -470,19 +606,34 @@ class Engine:
 
         negotiated: list[Response] = []
         if not flags & _FLAG_NOTHING_TO_SEND:
-            negotiated = self._negotiate()
+            negotiated = self._negotiate(None).responses
             for response in negotiated:
                 entries.append(
                     (response, self._sent.pop((response.process_set_id, response.key), None))
                 )
-        elif self._coordinator is not None and self._coordinator.first_seen:
-            self._coordinator.check_stalls(self.process_sets)
 
+        self._executing = [request for _, request in entries if request is not None]
         for unit in self._fuse(entries):
             self._execute_unit(unit)
+        self._executing = []
         for response, own in entries[len(entries) - len(negotiated) :]:
             self._remember(response, own)
-        return bool(flags & _FLAG_NO_SHUTDOWN)
+        self._in_cycle = False
+        return True
+
+    def _check_stalls(self, now: float) -> None:
+        # Requests waiting on cached responses are invisible to rank 0: after the warning
+        # time, invalidate their entries so that they are negotiated in full.
+        self._stale_slots.update(
+            self._inspector.stale_cache_waits(self._waiting_on_cache, now)
+        )
+        if self._coordinator is None:
+            return
+        stall = self._coordinator.check_stalls(self.process_sets, now)
+        if stall is not None:
+            with self._lock:
+                if self._notice is None:
+                    self._notice = stall
 
     def _admit(self, request: Request) -> None:
         meta = request.meta
@@ -502,28 +653,31 @@ class Engine:
             self._stale_slots.add(slot)
         self._to_send.append(request)
 
-    def _negotiate(self) -> list[Response]:
+    def _negotiate(self, notice: Notice | None) -> Decision:
+        now = time.monotonic()
         metas = [request.meta for request in self._to_send]
+        waited = [now - request.submitted for request in self._to_send]
         for request in self._to_send:
             self._sent[(request.meta.process_set_id, request.meta.key)] = request
         self._to_send = []
-        gathered = self.controller.gather(metas)
-        payload: tuple[list[Response], tuple[int, ...]] | None = None
-        if self._coordinator is not None:
-            assert gathered is not None
-            for metas_of_rank in gathered:
-                self._coordinator.add(metas_of_rank)
-            responses = self._coordinator.ready(self.process_sets, self.size)
-            payload = (responses, tuple(self._coordinator.joined))
-            self._coordinator.check_stalls(self.process_sets)
-        responses, joined = self.controller.broadcast(payload)
-        join_mode = bool(joined)
+        decision = self._exchange(RankReport(metas, waited, notice))
+        join_mode = bool(decision.joined)
         if join_mode and not self._join_mode:
             # Cached announcements cannot count ranks that joined: renegotiate in full.
             self._to_send.extend(self._waiting_on_cache.values())
             self._waiting_on_cache.clear()
         self._join_mode = join_mode
-        return responses
+        return decision
+
+    def _exchange(self, report: RankReport) -> Decision:
+        """Sends this rank's report to rank 0 and returns rank 0's decision."""
+        gathered = self.controller.gather(report)
+        decision: Decision | None = None
+        if self._coordinator is not None:
+            assert gathered is not None
+            decision = self._coordinator.decide(gathered, self.process_sets, self.size)
+        result: Decision = self.controller.broadcast(decision)
+        return result
 
     def _remember(self, response: Response, request: Request | None) -> None:
         """Caches a negotiated response; every rank calls this for the same responses in the
@@ -684,7 +838,7 @@ class Engine:
     def _fail_everything(self, error: BaseException) -> None:
         with self._lock:
             pending = [*self._queue, *self._to_send, *self._sent.values(),
-                       *self._waiting_on_cache.values()]
+                       *self._waiting_on_cache.values(), *self._executing]
             self._queue, self._to_send = [], []
             self._sent.clear()
             self._waiting_on_cache.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,7 +67,7 @@ class Handle:
 class Request:
     """A submitted collective: its description, its tensors and its handle."""
 
-    __slots__ = ("meta", "inputs", "outputs", "handle")
+    __slots__ = ("meta", "inputs", "outputs", "handle", "submitted")
 
     def __init__(
         self,
@@ -78,3 +79,5 @@ class Request:
         self.inputs = list(inputs)
         self.outputs = None if outputs is None else list(outputs)
         self.handle = Handle(meta.name, ())
+        # When the user submitted it: the stall inspector measures waits from here.
+        self.submitted = time.monotonic()

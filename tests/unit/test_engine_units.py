@@ -295,7 +295,8 @@ def test_config_defaults_are_horovods() -> None:
     assert config.cycle_time_ms == 1.0
     assert config.cache_capacity == 1024
     assert config.stall_check_time_s == 60.0
-    assert config.stall_shutdown_time_s == 0.0
+    # Deliberately unlike Horovod (which never shuts down): a stall ends the job after 10 min.
+    assert config.stall_shutdown_time_s == 600.0
     assert config.dynamic_process_sets is False
     assert config.hierarchical_allreduce is False
     assert config.timeline is None

@@ -1,12 +1,213 @@
-"""Reliability and observability parts that need no MPI: the log lines."""
+"""Reliability and observability parts that need no MPI: end-of-job notices, the stall
+inspector's reports, the watchdog's liveness checks and the log lines.
+
+The multi-rank behaviour (a stall, a failing or killed rank) is in ``tests/test_reliability.py``.
+"""
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import time
 
 import pytest
 
+from baguahvd.common.config import Config
+from baguahvd.common.exceptions import (
+    SHUT_DOWN_MESSAGE,
+    HorovodInternalError,
+    PeerFailureError,
+    ShutDownError,
+    StallError,
+)
 from baguahvd.common.logging_setup import TRACE, _RankFormatter, configure
+from baguahvd.engine.engine import ProcessSetState
+from baguahvd.engine.messages import OpType, RequestMeta
+from baguahvd.engine.notices import Notice, NoticeKind, describe_exception, first_notice
+from baguahvd.engine.requests import Request
+from baguahvd.engine.stall import StallInspector
+from baguahvd.engine.watchdog import is_gone, process_identity
+
+# ---------------------------------------------------------------------------------------
+# Notices: how the end of a job is named on every rank
+
+
+def test_failures_win_over_stalls_and_shutdowns_then_the_lowest_rank() -> None:
+    shutdown = Notice(NoticeKind.SHUTDOWN, 0)
+    stall = Notice(NoticeKind.STALL, 0, "stalled")
+    failure_2 = Notice(NoticeKind.FAILURE, 2, "ValueError: b")
+    failure_1 = Notice(NoticeKind.FAILURE, 1, "ValueError: a")
+    assert first_notice([None, shutdown, stall, failure_2, failure_1]) == failure_1
+    assert first_notice([shutdown, stall]) == stall
+    assert first_notice([None, None]) is None
+
+
+def test_a_failure_becomes_a_peer_failure_error_with_rank_and_reason() -> None:
+    error = Notice(NoticeKind.FAILURE, 1, "ValueError: boom").error(own_rank=0)
+    assert isinstance(error, PeerFailureError)
+    assert isinstance(error, ShutDownError) and isinstance(error, HorovodInternalError)
+    assert (error.rank, error.reason) == (1, "ValueError: boom")
+    assert str(error).startswith("rank 1 failed: ValueError: boom")
+    assert "has been shut down" in str(error)
+
+
+def test_a_peer_shutdown_names_the_rank_but_ones_own_does_not() -> None:
+    notice = Notice(NoticeKind.SHUTDOWN, 1)
+    assert str(notice.error(own_rank=0)) == f"{SHUT_DOWN_MESSAGE} (rank 1 shut down)"
+    assert str(notice.error(own_rank=1)) == SHUT_DOWN_MESSAGE
+    assert not notice.abnormal
+
+
+def test_a_stall_becomes_a_stall_error_naming_tensors_and_ranks() -> None:
+    notice = Notice(NoticeKind.STALL, 0, "stalled: allreduce.x", (("allreduce.x", (1, 2)),))
+    error = notice.error(own_rank=2)
+    assert isinstance(error, StallError) and isinstance(error, HorovodInternalError)
+    assert error.missing == {"allreduce.x": [1, 2]}
+    assert "stalled: allreduce.x" in str(error)
+    assert notice.abnormal
+
+
+def test_describe_exception_names_type_message_and_place() -> None:
+    try:
+        raise ValueError("bad batch")
+    except ValueError as exc:
+        text = describe_exception(exc)
+    assert text.startswith("ValueError: bad batch (at ")
+    assert "test_reliability_units.py" in text
+    assert describe_exception(KeyboardInterrupt()) == "KeyboardInterrupt"
+    assert len(describe_exception(RuntimeError("x" * 10_000))) == 2000
+
+
+# ---------------------------------------------------------------------------------------
+# Stall inspector
+
+
+def _meta(name: str, rank: int, process_set_id: int = 0) -> RequestMeta:
+    return RequestMeta(key=name, name=name, op=OpType.ALLREDUCE,
+                       process_set_id=process_set_id, rank=rank)
+
+
+def _sets(size: int) -> dict[int, ProcessSetState]:
+    return {0: ProcessSetState(0, tuple(range(size)), None),
+            1: ProcessSetState(1, (0, 2), None)}
+
+
+def test_stall_report_uses_horovods_words_and_lists_missing_ranks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    inspector = StallInspector(warning_s=2.0, shutdown_s=0.0, disabled=False)
+    table = {
+        (0, "allreduce.a"): {0: _meta("allreduce.a", 0)},
+        (0, "allreduce.b"): {1: _meta("allreduce.b", 1), 2: _meta("allreduce.b", 2)},
+        (1, "allreduce.c"): {2: _meta("allreduce.c", 2, 1)},
+        (0, "allreduce.fresh"): {0: _meta("allreduce.fresh", 0)},
+    }
+    for ident in table:
+        inspector.seen(ident, 100.0 if ident[1] != "allreduce.fresh" else 109.0)
+    with caplog.at_level(logging.WARNING, logger="baguahvd.engine"):
+        assert inspector.check(table, _sets(3), joined=(), now=110.0) is None
+    (record,) = caplog.records
+    report = record.getMessage()
+    assert report.startswith(
+        "One or more tensors were submitted to be reduced, gathered or broadcasted by subset "
+        "of ranks and are waiting for remainder of ranks for more than 2 seconds."
+    )
+    assert "\nMissing ranks:\n0: [allreduce.b, allreduce.c]\n1: [allreduce.a]\n" \
+           "2: [allreduce.a]\n" in report
+    assert "allreduce.a: [1, 2]" in report and "allreduce.c: [0]" in report
+    assert "allreduce.fresh" not in report
+    # Reported again only after another warning period.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="baguahvd.engine"):
+        inspector.check(table, _sets(3), joined=(), now=111.0)
+        assert not caplog.records
+        inspector.check(table, _sets(3), joined=(), now=112.5)
+        assert len(caplog.records) == 1
+
+
+def test_stall_past_the_shutdown_time_returns_a_notice(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    inspector = StallInspector(warning_s=1.0, shutdown_s=5.0, disabled=False)
+    table = {(0, "allreduce.a"): {0: _meta("allreduce.a", 0)},
+             (0, "allreduce.b"): {1: _meta("allreduce.b", 1)}}
+    inspector.seen((0, "allreduce.a"), 0.0)
+    inspector.seen((0, "allreduce.b"), 4.0)
+    assert inspector.check(table, _sets(2), joined=(), now=4.5) is None
+    with caplog.at_level(logging.ERROR, logger="baguahvd.engine"):
+        notice = inspector.check(table, _sets(2), joined=(), now=5.5)
+    assert notice is not None and notice.kind == NoticeKind.STALL
+    assert notice.missing == (("allreduce.a", (1,)),)
+    assert "allreduce.a waits for ranks [1]" in notice.text
+    assert "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS" in notice.text
+    report = caplog.records[-1].getMessage()
+    assert "\n1!: [allreduce.a]" in report and "\n0: [allreduce.b]" in report
+    assert report.endswith('One or more rank (marked by "!") is stalled for longer than 5 '
+                           "seconds. Will shutdown.")
+
+
+def test_joined_ranks_are_not_missing() -> None:
+    inspector = StallInspector(warning_s=1.0, shutdown_s=2.0, disabled=False)
+    table = {(0, "allreduce.a"): {0: _meta("allreduce.a", 0)}}
+    inspector.seen((0, "allreduce.a"), 0.0)
+    assert inspector.check(table, _sets(2), joined=[1], now=10.0) is None
+
+
+def test_shutdown_time_below_the_warning_time_turns_shutdown_off(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="baguahvd.engine"):
+        inspector = StallInspector(warning_s=60.0, shutdown_s=5.0, disabled=False)
+    assert inspector.shutdown_s == 0.0
+    assert "will not shutdown" in caplog.text
+
+
+def test_cached_requests_waiting_too_long_are_invalidated() -> None:
+    inspector = StallInspector(warning_s=2.0, shutdown_s=0.0, disabled=False)
+    old, new = Request(_meta("a", 0), [], None), Request(_meta("b", 0), [], None)
+    old.submitted, new.submitted = 10.0, 11.5
+    assert inspector.stale_cache_waits({3: old, 7: new}, now=12.5) == [3]
+
+
+def test_disabled_inspector_never_checks() -> None:
+    inspector = StallInspector(warning_s=1.0, shutdown_s=2.0, disabled=True)
+    assert not inspector.due(time.monotonic())
+    enabled = StallInspector(warning_s=1.0, shutdown_s=2.0, disabled=False)
+    now = time.monotonic()
+    assert enabled.due(now) and not enabled.due(now + 0.1) and enabled.due(now + 1.0)
+
+
+# ---------------------------------------------------------------------------------------
+# Watchdog
+
+
+def test_a_dead_process_is_gone_and_a_live_one_is_not() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        ident = _identity_of(child.pid)
+        assert not is_gone(child.pid, ident)
+        child.kill()
+        # Not yet reaped: a zombie counts as gone.
+        deadline = time.monotonic() + 10
+        while not is_gone(child.pid, ident) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert is_gone(child.pid, ident)
+    finally:
+        child.kill()
+        child.wait()
+    assert is_gone(child.pid, ident)
+    # A pid now used by another process (different start time) is gone too.
+    me = process_identity()
+    assert not is_gone(me[0], me[1])
+    assert is_gone(me[0], me[1] + 1) or me[1] == 0
+
+
+def _identity_of(pid: int) -> int:
+    from baguahvd.engine.watchdog import _start_time
+
+    return _start_time(pid)
+
 
 # ---------------------------------------------------------------------------------------
 # Logging
@@ -46,3 +247,20 @@ def test_log_level_names(level: str, expected: int) -> None:
         logger.setLevel(saved[0])
         logger.handlers[:] = saved[1]
         logger.propagate = saved[2]
+
+
+def test_config_reads_the_reliability_settings() -> None:
+    config = Config.from_env({
+        "HOROVOD_LOG_LEVEL": "Trace",
+        "HOROVOD_LOG_HIDE_TIME": "1",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0",
+        "BAGUAHVD_PEER_TIMEOUT_SECONDS": "30",
+        "BAGUAHVD_EXIT_TIMEOUT_SECONDS": "5",
+    })
+    assert (config.log_level, config.log_hide_time) == ("trace", True)
+    assert config.stall_shutdown_time_s == 0.0
+    assert (config.peer_timeout_s, config.exit_timeout_s) == (30.0, 5.0)
+    defaults = Config.from_env({})
+    assert (defaults.peer_timeout_s, defaults.exit_timeout_s) == (600.0, 30.0)
+    with pytest.raises(ValueError, match="HOROVOD_LOG_LEVEL"):
+        Config.from_env({"HOROVOD_LOG_LEVEL": "loud"})

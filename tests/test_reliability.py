@@ -1,0 +1,257 @@
+"""Jobs that go wrong end, quickly and with the reason, instead of hanging.
+
+Each test runs a whole script under mpirun (``launch`` from the parallel driver collects every
+rank's log) and bounds the job's duration twice: a hard timeout on the launch (a hang fails
+with the logs attached) and an assertion on the measured time. The scripts print markers
+that the assertions look for.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import textwrap
+import time
+
+import pytest
+
+from tests.test_parallel import launch
+
+# A hang fails the test after this long; the jobs themselves end much sooner.
+HARD_TIMEOUT_S = 150
+# Startup of 2-3 ranks takes a few seconds, more on a loaded machine.
+STARTUP_SLACK_S = 30
+
+FAST_FAILURE = {
+    "HOROVOD_STALL_CHECK_TIME_SECONDS": "1",
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3",
+    "BAGUAHVD_EXIT_TIMEOUT_SECONDS": "3",
+}
+
+_PRELUDE = """
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import baguahvd.torch as hvd
+from baguahvd.common.exceptions import PeerFailureError, StallError
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+for _ in range(3):  # the last two are answered from the response cache
+    hvd.allreduce(torch.ones(2), name="warmup")
+"""
+
+
+def _run(tmp_path: pathlib.Path, body: str, np: int, env: dict[str, str] | None = None,
+         ) -> tuple[int, list[str], float]:
+    """Runs the prelude and ``body`` on ``np`` ranks; returns the exit code, every rank's
+    log and the job's duration in seconds."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(_PRELUDE) + textwrap.dedent(body))
+    start = time.monotonic()
+    result = launch([str(script)], np, tmp_path, HARD_TIMEOUT_S, extra_env=env)
+    elapsed = time.monotonic() - start
+    logs = [
+        (tmp_path / f"rank.{r}.log").read_text(errors="replace")
+        if (tmp_path / f"rank.{r}.log").exists() else ""
+        for r in range(np)
+    ]
+    return result.returncode, logs, elapsed
+
+
+def _dump(logs: list[str]) -> str:
+    return "".join(f"\n===== rank {r} =====\n{log[-6000:]}" for r, log in enumerate(logs))
+
+
+# ---------------------------------------------------------------------------------------
+# Stalls
+
+
+@pytest.mark.parallel
+@pytest.mark.parametrize("cached", [False, True], ids=["negotiated", "cached"])
+def test_a_rank_that_sleeps_past_the_stall_time_ends_the_job(
+    tmp_path: pathlib.Path, cached: bool
+) -> None:
+    name = "warmup" if cached else "lonely"
+    code, logs, elapsed = _run(tmp_path, f"""
+        if rank == 2:
+            print("SLEEPING", flush=True)
+            time.sleep(600)
+        try:
+            hvd.allreduce(torch.ones(2), name="{name}")
+        except StallError as exc:
+            print(f"STALL_ERROR {{exc.missing}}", flush=True)
+            raise
+        """, np=3, env={**FAST_FAILURE, "HOROVOD_LOG_HIDE_TIME": "1"})
+    dump = _dump(logs)
+    assert code != 0, dump
+    assert "SLEEPING" in logs[2], dump
+    for r in (0, 1):
+        assert f"STALL_ERROR {{'allreduce.{name}': [2]}}" in logs[r], dump
+        assert "StallError: Stalled for more than 3 seconds" in logs[r], dump
+    # Rank 0 warned first, then shut down, in Horovod's words and line shape.
+    assert "[W rank 0 stall.py:" in logs[0], dump
+    assert "are waiting for remainder of ranks for more than 1 seconds" in logs[0], dump
+    assert f"Missing ranks:\n2!: [allreduce.{name}]" in logs[0], dump
+    assert 'One or more rank (marked by "!") is stalled for longer than 3 seconds. Will ' \
+           "shutdown." in logs[0], dump
+    # 3 s of stall, then at most 3 s for the sleeping rank to exit before MPI_Abort.
+    assert "ending the job with MPI_Abort" in dump, dump
+    assert elapsed < 6 + STARTUP_SLACK_S, dump
+
+
+@pytest.mark.parallel
+def test_mismatched_collectives_never_hang(tmp_path: pathlib.Path) -> None:
+    code, logs, elapsed = _run(tmp_path, """
+        try:
+            if rank == 0:
+                hvd.allreduce(torch.ones(2), name="only_rank_0")
+            else:
+                hvd.allgather(torch.ones(2), name="only_rank_1")
+        except StallError as exc:
+            print(f"STALL_ERROR {sorted(exc.missing.items())}", flush=True)
+            sys.exit(3)
+        """, np=2, env=FAST_FAILURE)
+    dump = _dump(logs)
+    assert code != 0, dump
+    expected = "STALL_ERROR [('allgather.only_rank_1', [0]), ('allreduce.only_rank_0', [1])]"
+    assert expected in logs[0] and expected in logs[1], dump
+    assert elapsed < 3 + STARTUP_SLACK_S, dump
+
+
+# ---------------------------------------------------------------------------------------
+# A rank that raises, dies, freezes or whose engine breaks
+
+
+@pytest.mark.parallel
+@pytest.mark.parametrize("failing", [0, 1])
+def test_an_exception_on_one_rank_reaches_the_others(
+    tmp_path: pathlib.Path, failing: int
+) -> None:
+    code, logs, elapsed = _run(tmp_path, f"""
+        if rank == {failing}:
+            time.sleep(0.5)  # the others are waiting in the allreduce by now
+            raise ValueError("bad batch 42")
+        try:
+            hvd.allreduce(torch.ones(2), name="pending")
+        except PeerFailureError as exc:
+            print(f"PEER_FAILURE rank={{exc.rank}} reason={{exc.reason}}", flush=True)
+            print(f"MESSAGE {{exc}}", flush=True)
+        # Later collectives fail the same way, at once.
+        try:
+            hvd.allreduce(torch.ones(2), name="later")
+        except PeerFailureError as exc:
+            print(f"LATER rank={{exc.rank}}", flush=True)
+        """, np=3, env=FAST_FAILURE)
+    dump = _dump(logs)
+    assert code != 0, dump
+    assert "ValueError: bad batch 42" in logs[failing], dump
+    for r in range(3):
+        if r == failing:
+            continue
+        assert f"PEER_FAILURE rank={failing} reason=ValueError: bad batch 42 (at " in logs[r], \
+            dump
+        assert f"MESSAGE rank {failing} failed: ValueError: bad batch 42" in logs[r], dump
+        assert f"LATER rank={failing}" in logs[r], dump
+    assert elapsed < STARTUP_SLACK_S, dump
+
+
+_KILLED = """
+if rank == 1:
+    time.sleep(0.5)
+    print(f"KILLED_AT {time.time():.3f}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    hvd.allreduce(torch.ones(2), name="pending")
+except PeerFailureError as exc:
+    print(f"PEER_FAILURE {time.time():.3f} rank={exc.rank} reason={exc.reason}", flush=True)
+    raise
+"""
+
+
+@pytest.mark.parallel
+@pytest.mark.parametrize("who_ends_it", ["launcher", "watchdog"])
+def test_a_killed_rank_ends_the_job_in_bounded_time(
+    tmp_path: pathlib.Path, who_ends_it: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = dict(FAST_FAILURE)
+    if who_ends_it == "watchdog":
+        # Keep Open MPI's launcher from ending the job itself: the survivors must.
+        env["PRTE_MCA_state_base_recoverable"] = "1"
+    code, logs, elapsed = _run(tmp_path, _KILLED, np=3, env=env)
+    ended = time.time()
+    dump = _dump(logs)
+    match = re.search(r"KILLED_AT (\d+\.\d+)", logs[1])
+    assert match, dump
+    death_to_end = ended - float(match.group(1))
+    with capsys.disabled():
+        print(f"\n[{who_ends_it}] rank death to job end: {death_to_end:.2f} s")
+    if who_ends_it == "watchdog":
+        for r in (0, 2):
+            assert "PEER_FAILURE" in logs[r] and "rank=1" in logs[r], dump
+            assert "is gone: it was killed or crashed" in logs[r], dump
+        assert "ending the job with MPI_Abort" in dump, dump
+    else:
+        assert code != 0, dump
+    assert death_to_end < 15, dump
+
+
+@pytest.mark.parallel
+def test_a_frozen_rank_times_out(tmp_path: pathlib.Path) -> None:
+    env = {**FAST_FAILURE, "BAGUAHVD_PEER_TIMEOUT_SECONDS": "3"}
+    code, logs, elapsed = _run(tmp_path, """
+        if rank == 1:
+            print("FREEZING", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        try:
+            hvd.allreduce(torch.ones(2), name="pending")
+        except PeerFailureError as exc:
+            print(f"PEER_FAILURE rank={exc.rank} reason={exc.reason}", flush=True)
+            raise
+        """, np=2, env=env)
+    dump = _dump(logs)
+    assert code != 0, dump
+    assert "PEER_FAILURE rank=-1 reason=no negotiation cycle completed for 3 s" in logs[0], dump
+    assert elapsed < 3 + STARTUP_SLACK_S, dump
+
+
+@pytest.mark.parallel
+@pytest.mark.parametrize("where", ["between_cycles", "mid_cycle"])
+def test_an_engine_bug_does_not_leave_peers_hanging(
+    tmp_path: pathlib.Path, where: str
+) -> None:
+    # Between cycles: admitting a request; mid-cycle: fusing what the ranks agreed on.
+    method = "_admit" if where == "between_cycles" else "_fuse"
+    code, logs, elapsed = _run(tmp_path, f"""
+        from baguahvd.engine.engine import Engine
+
+        original = Engine.{method}
+
+        def broken(self, arg):
+            names = [arg.meta.name] if hasattr(arg, "meta") else [r.name for r, _ in arg]
+            if "allreduce.poison" in names:
+                raise RuntimeError("injected engine bug")
+            return original(self, arg)
+
+        if rank == 1:
+            Engine.{method} = broken
+        try:
+            hvd.allreduce(torch.ones(2), name="poison")
+        except PeerFailureError as exc:
+            print(f"PEER_FAILURE rank={{exc.rank}} reason={{exc.reason}}", flush=True)
+            raise
+        """, np=2, env=FAST_FAILURE)
+    dump = _dump(logs)
+    assert code != 0, dump
+    assert "the engine stopped after an internal error" in logs[1], dump
+    assert "RuntimeError: injected engine bug" in logs[1], dump
+    if where == "between_cycles":
+        assert "PEER_FAILURE rank=1 reason=baguahvd engine failed: RuntimeError: injected " \
+               "engine bug" in logs[0], dump
+    else:
+        assert "ending the job with MPI_Abort" in logs[1], dump
+    assert elapsed < 3 + STARTUP_SLACK_S, dump
