@@ -8,6 +8,7 @@ that the assertions look for.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import textwrap
@@ -255,3 +256,32 @@ def test_an_engine_bug_does_not_leave_peers_hanging(
     else:
         assert "ending the job with MPI_Abort" in logs[1], dump
     assert elapsed < 3 + STARTUP_SLACK_S, dump
+
+
+# ---------------------------------------------------------------------------------------
+# Timeline
+
+
+@pytest.mark.parallel
+def test_the_timeline_of_a_killed_job_still_parses(tmp_path: pathlib.Path) -> None:
+    timeline = tmp_path / "timeline.json"
+    code, logs, _ = _run(tmp_path, """
+        for step in range(5):
+            hvd.allreduce(torch.ones(4), name="before_kill")
+        hvd.barrier()
+        time.sleep(0.5)  # past the writer's next flush
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        """, np=2, env={"HOROVOD_TIMELINE": str(timeline)})
+    dump = _dump(logs)
+    assert code != 0, dump
+    text = timeline.read_text().rstrip()
+    # Chrome's trace viewer accepts an array without its closing bracket; so do we.
+    if not text.endswith("]"):
+        text = text.rstrip(",") + "]"
+    events = json.loads(text)
+    names = {e.get("name") for e in events}
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "MPI_ALLREDUCE"} <= names, names
+    rows = {e["args"].get("name") for e in events if e.get("name") == "process_name"}
+    assert "allreduce.before_kill" in rows, rows

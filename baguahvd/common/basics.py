@@ -227,6 +227,25 @@ class Runtime:
         previous = self._previous_excepthook or sys.__excepthook__
         previous(kind, value, tb)
 
+    # -- timeline --------------------------------------------------------------------------
+
+    def start_timeline(self, file_path: str, mark_cycles: bool = False) -> None:
+        """Starts writing the timeline to ``file_path`` (rank 0 writes; a file being written
+        is closed first). Needs HOROVOD_TIMELINE set at ``init()`` (``DYNAMIC`` to start
+        it only now)."""
+        if self.engine is None:
+            raise NotInitializedError()
+        assert self.config is not None
+        if not self.config.timeline:
+            raise ValueError("Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.")
+        self.engine.start_timeline(file_path, mark_cycles)
+
+    def stop_timeline(self) -> None:
+        """Ends the timeline file (a later :meth:`start_timeline` writes a new one)."""
+        if self.engine is None:
+            raise NotInitializedError()
+        self.engine.stop_timeline()
+
     def is_initialized(self) -> bool:
         return self.engine is not None
 

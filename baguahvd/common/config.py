@@ -75,7 +75,15 @@ class Config:
     timeline: str | None = None
     """Timeline file written by rank 0, or ``DYNAMIC`` (HOROVOD_TIMELINE)."""
     timeline_mark_cycles: bool = False
-    """Mark cycle starts in the timeline (HOROVOD_TIMELINE_MARK_CYCLES)."""
+    """Mark the start of every cycle that negotiated or ran something in the timeline
+    (HOROVOD_TIMELINE_MARK_CYCLES)."""
+    timeline_start_step: int = 0
+    """Record the timeline only once this many optimizer steps have completed
+    (BAGUAHVD_TIMELINE_START_STEP). A step is one ``step()`` call of any torch optimizer in
+    rank 0's process; the count starts at ``init()``."""
+    timeline_end_step: int = 0
+    """Stop recording the timeline once this many optimizer steps have completed; 0 never
+    (BAGUAHVD_TIMELINE_END_STEP). With the start step this keeps files of long runs small."""
     hierarchical_allreduce: bool = False
     """Reduce inside the node, allreduce across nodes, broadcast inside
     (HOROVOD_HIERARCHICAL_ALLREDUCE)."""
@@ -155,6 +163,12 @@ class Config:
             cache_capacity=int(_as_number(env, "CACHE_CAPACITY", cls.cache_capacity, int)),
             timeline=timeline,
             timeline_mark_cycles=_as_bool(env, "TIMELINE_MARK_CYCLES"),
+            timeline_start_step=int(
+                _as_number(env, "TIMELINE_START_STEP", 0, int, horovod_alias=False)
+            ),
+            timeline_end_step=int(
+                _as_number(env, "TIMELINE_END_STEP", 0, int, horovod_alias=False)
+            ),
             hierarchical_allreduce=_as_bool(env, "HIERARCHICAL_ALLREDUCE"),
             hierarchical_allgather=_as_bool(env, "HIERARCHICAL_ALLGATHER"),
             stall_check_disable=_as_bool(env, "STALL_CHECK_DISABLE"),

@@ -17,7 +17,8 @@ Nothing waits forever. A rank that shuts down, fails (an uncaught exception, a b
 engine) or whose collectives stall past the shutdown time (rank 0's
 :mod:`~baguahvd.engine.stall` inspector) ends the job in the next cycle with a
 :mod:`~baguahvd.engine.notices` notice that every rank turns into the same error; a peer
-that dies or freezes is noticed by the :mod:`~baguahvd.engine.watchdog`.
+that dies or freezes is noticed by the :mod:`~baguahvd.engine.watchdog`. Rank 0 records
+what happens in the :mod:`~baguahvd.engine.timeline` when HOROVOD_TIMELINE is set.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -58,6 +59,7 @@ from baguahvd.engine.notices import (
 )
 from baguahvd.engine.requests import Handle, Request
 from baguahvd.engine.stall import StallInspector
+from baguahvd.engine.timeline import Timeline, transport_activity
 from baguahvd.engine.watchdog import Watchdog, process_identity
 
 if TYPE_CHECKING:
@@ -99,10 +101,11 @@ class ProcessSetState:
 class _Coordinator:
     """Rank 0's table of requests that not every member has submitted yet."""
 
-    def __init__(self, inspector: StallInspector) -> None:
+    def __init__(self, inspector: StallInspector, timeline: Timeline | None) -> None:
         self.table: dict[tuple[int, str], dict[int, RequestMeta]] = {}
         self.joined: list[int] = []
         self.inspector = inspector
+        self.timeline = timeline
 
     def decide(
         self,
@@ -121,6 +124,7 @@ class _Coordinator:
         return Decision(self.ready(process_sets, world_size), tuple(self.joined))
 
     def add(self, metas: Sequence[RequestMeta], waited: Sequence[float], now: float) -> None:
+        timeline = self.timeline if self.timeline is not None and self.timeline.active else None
         for meta, age in zip(metas, waited):
             ident = (meta.process_set_id, meta.key)
             if meta.op == OpType.JOIN:
@@ -129,6 +133,9 @@ class _Coordinator:
                 continue
             self.table.setdefault(ident, {})[meta.rank] = meta
             self.inspector.seen(ident, now - age)
+            if timeline is not None:
+                timeline.negotiation_started(meta.name, meta.op)
+                timeline.rank_ready(meta.name, meta.rank)
 
     def ready(
         self, process_sets: dict[int, ProcessSetState], world_size: int
@@ -169,6 +176,9 @@ class _Coordinator:
                 )
             )
             self.joined = []
+        if self.timeline is not None and self.timeline.active:
+            for response in responses:
+                self.timeline.negotiation_ended(response.name, response.op)
         return responses
 
     def _forget(self, ident: tuple[int, str]) -> None:
@@ -218,6 +228,12 @@ class Engine:
         self._peer_gone = False
         self._thread: threading.Thread | None = None
         self._watchdog: Watchdog | None = None
+        self.timeline = (
+            Timeline(config.timeline_start_step, config.timeline_end_step)
+            if config.timeline and self.rank == 0
+            else None
+        )
+        """Rank 0's timeline when HOROVOD_TIMELINE is set (written only while started)."""
         # Engine-thread state.
         self._cache = ResponseCache(config.cache_capacity)
         self._waiting_on_cache: dict[int, Request] = {}
@@ -232,7 +248,7 @@ class Engine:
             config.stall_check_time_s, config.stall_shutdown_time_s, config.stall_check_disable
         )
         self._coordinator = (
-            _Coordinator(self._inspector) if self.rank == 0 else None
+            _Coordinator(self._inspector, self.timeline) if self.rank == 0 else None
         )
         self.cycles = 0
 
@@ -276,6 +292,13 @@ class Engine:
 
     def start(self) -> None:
         """Starts the engine thread (collective: every rank calls it during ``init()``)."""
+        if self.timeline is not None and self.config.timeline != "DYNAMIC":
+            assert self.config.timeline is not None
+            try:
+                self.start_timeline(self.config.timeline, self.config.timeline_mark_cycles)
+            except OSError as exc:
+                # Only rank 0 writes: failing here would leave the others waiting for it.
+                logger.error("HOROVOD_TIMELINE: cannot write the timeline: %s", exc)
         if self.size == 1:
             return
         identities = self.controller.allgather_ints(process_identity())
@@ -310,6 +333,8 @@ class Engine:
         if self._watchdog is not None:
             self._watchdog.stop()
         self._stop(ShutDownError())
+        if self.timeline is not None:
+            self.timeline.close()
 
     def fail(self, reason: str) -> None:
         """Ends the job because this rank failed, without waiting: every other rank's
@@ -370,6 +395,17 @@ class Engine:
     @property
     def running(self) -> bool:
         return self._stopped is None
+
+    # ----------------------------------------------------------------------------------
+    # Timeline (rank 0 writes; the other ranks accept the calls and do nothing)
+
+    def start_timeline(self, path: str, mark_cycles: bool = False) -> None:
+        if self.timeline is not None:
+            self.timeline.start(path, mark_cycles)
+
+    def stop_timeline(self) -> None:
+        if self.timeline is not None:
+            self.timeline.stop()
 
     # ----------------------------------------------------------------------------------
     # Submission (user threads)
@@ -468,6 +504,8 @@ class Engine:
         if request.meta.op == OpType.JOIN:
             response = response._replace(last_joined=self.rank)
         comm = state.comm if state.comm is not None else SelfCommunicator()
+        if self.timeline is not None and self.timeline.active:
+            self.timeline.queued(response.name, response.op)
         self._execute([(response, request)], comm)
 
     # ----------------------------------------------------------------------------------
@@ -613,6 +651,12 @@ class Engine:
                 )
 
         self._executing = [request for _, request in entries if request is not None]
+        timeline = self.timeline
+        if timeline is not None and timeline.active and entries:
+            timeline.cycle_started()
+            for response, own in entries:
+                if own is not None:
+                    timeline.queued(response.name, response.op)
         for unit in self._fuse(entries):
             self._execute_unit(unit)
         self._executing = []
@@ -648,6 +692,8 @@ class Engine:
         found, slot = self._cache.lookup(meta.process_set_id, meta.key, meta.signature())
         if found is Lookup.HIT:
             self._waiting_on_cache[slot] = request
+            if self.timeline is not None and self.timeline.active:
+                self.timeline.negotiation_started(meta.name, meta.op)
             return
         if found is Lookup.STALE:
             self._stale_slots.add(slot)
@@ -768,6 +814,28 @@ class Engine:
     def _execute(self, unit: list[tuple[Response, Request | None]], comm: Communicator) -> None:
         """Runs one unit (a fused group of allreduces, or one other collective) and
         completes its handles."""
+        timeline = self.timeline
+        if timeline is None or not timeline.active:
+            self._execute_unit_on(unit, comm, None)
+            return
+        response = unit[0][0]
+        traced = [request.meta.name for _, request in unit if request is not None]
+        transport = transport_activity(response.op, response.device)
+
+        def phase(activity: str) -> None:
+            for name in traced:
+                timeline.phase(name, transport if activity == "COMMUNICATE" else activity)
+
+        if response.op != OpType.ALLREDUCE:
+            phase("COMMUNICATE")
+        self._execute_unit_on(unit, comm, phase)
+
+    def _execute_unit_on(
+        self,
+        unit: list[tuple[Response, Request | None]],
+        comm: Communicator,
+        phase: Callable[[str], None] | None,
+    ) -> None:
         response = unit[0][0]
         requests = [request for _, request in unit if request is not None]
         try:
@@ -777,7 +845,7 @@ class Engine:
                 return
             op = response.op
             if op == OpType.ALLREDUCE:
-                execute.allreduce(comm, unit, self._buffers)
+                execute.allreduce(comm, unit, self._buffers, phase)
                 for request in requests:
                     self._finish(request, request.outputs)
                 return
@@ -830,6 +898,11 @@ class Engine:
     ) -> None:
         with self._lock:
             self._inflight.discard((request.meta.process_set_id, request.meta.key))
+        timeline = self.timeline
+        if timeline is not None and timeline.active:
+            # Before the handle is released: the user may stop the timeline right after.
+            meta = request.meta
+            timeline.done(meta.name, {"dtype": meta.dtype, "shape": str(list(meta.shapes))})
         if error is not None:
             request.handle.fail(error)
         else:

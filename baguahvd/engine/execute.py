@@ -8,7 +8,7 @@ in float64 and truncated toward zero, float16/bfloat16 in float32 and rounded on
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -107,11 +107,23 @@ def _inputs_outputs(
     return request.inputs, request.outputs
 
 
-def allreduce(comm: Communicator, entries: Sequence[Entry], buffers: FusionBuffers) -> None:
-    """Allreduces every tensor of ``entries`` (same dtype, op and factors) in one call."""
+def allreduce(
+    comm: Communicator,
+    entries: Sequence[Entry],
+    buffers: FusionBuffers,
+    phase: Callable[[str], None] | None = None,
+) -> None:
+    """Allreduces every tensor of ``entries`` (same dtype, op and factors) in one call.
+
+    ``phase`` (for the timeline) is told when each step begins: ``MEMCPY_IN_FUSION_BUFFER``,
+    ``COMMUNICATE`` and ``MEMCPY_OUT_FUSION_BUFFER``; unfused tensors only communicate.
+    """
+    if phase is None:
+        phase = _no_phase
     first = entries[0][0]
     dtype = DTYPES[first.dtype]
     if first.reduce_op == ReduceOp.ADASUM:
+        phase("COMMUNICATE")
         for entry in entries:
             inputs, outputs = _inputs_outputs(entry, dtype, comm)
             for tensor_in, tensor_out in zip(inputs, outputs):
@@ -122,18 +134,26 @@ def allreduce(comm: Communicator, entries: Sequence[Entry], buffers: FusionBuffe
     if len(pairs) == 1:
         tensor_in, tensor_out = pairs[0]
         source = scaled(tensor_in, pre) if pre != 1.0 else tensor_in
+        phase("COMMUNICATE")
         comm.allreduce(source, tensor_out, op)
         scale_(tensor_out, post)
         return
+    phase("MEMCPY_IN_FUSION_BUFFER")
     counts = [t.numel() for t, _ in pairs]
     buffer = buffers.get(dtype, sum(counts), pairs[0][0].device)
     # One call each way rather than a copy per tensor: fewer GIL round trips while the
     # training thread is busy submitting.
     torch.cat([t.reshape(-1) for t, _ in pairs], out=buffer)
     scale_(buffer, pre)
+    phase("COMMUNICATE")
     comm.allreduce(buffer, buffer, op)
+    phase("MEMCPY_OUT_FUSION_BUFFER")
     scale_(buffer, post)
     _copy_all([t.view(-1) for _, t in pairs], list(torch.split(buffer, counts)))
+
+
+def _no_phase(activity: str) -> None:
+    pass
 
 
 def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

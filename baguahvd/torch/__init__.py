@@ -53,6 +53,8 @@ from baguahvd.torch.mpi_ops import (
     reducescatter,
     reducescatter_async,
     sparse_allreduce_async,
+    start_timeline,
+    stop_timeline,
     synchronize,
 )
 from baguahvd.torch.optimizer import DistributedOptimizer
@@ -141,5 +143,7 @@ __all__ = [
     "shutdown",
     "size",
     "sparse_allreduce_async",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]

@@ -1036,3 +1036,30 @@ def _check_has_gpu() -> bool:
 
 def nccl_built() -> int:
     return capabilities.nccl_built()
+
+
+# ---------------------------------------------------------------------------------------
+# Timeline
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Starts writing the timeline, a Chrome trace of every collective, to ``file_path``.
+
+    Only rank 0 writes; on the other ranks the call does nothing. A timeline being written
+    is closed first. See :mod:`baguahvd.engine.timeline` for the activities recorded.
+
+    Args:
+        file_path: the JSON file to write.
+        mark_cycles: also mark the start of each negotiation cycle (``CYCLE_START``).
+
+    Raises:
+        ValueError: before ``init()``, or when ``HOROVOD_TIMELINE`` was not set at
+            ``init()`` (set it to ``DYNAMIC`` to start the timeline only from code).
+    """
+    runtime.start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stops the timeline started by :func:`start_timeline` or ``HOROVOD_TIMELINE`` and
+    closes its file."""
+    runtime.stop_timeline()

@@ -1,17 +1,23 @@
 """Reliability and observability parts that need no MPI: end-of-job notices, the stall
-inspector's reports, the watchdog's liveness checks and the log lines.
+inspector's reports, the watchdog's liveness checks, the timeline file and the log lines.
 
 The multi-rank behaviour (a stall, a failing or killed rank) is in ``tests/test_reliability.py``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import subprocess
 import sys
+import textwrap
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from baguahvd.common.config import Config
 from baguahvd.common.exceptions import (
@@ -27,7 +33,11 @@ from baguahvd.engine.messages import OpType, RequestMeta
 from baguahvd.engine.notices import Notice, NoticeKind, describe_exception, first_notice
 from baguahvd.engine.requests import Request
 from baguahvd.engine.stall import StallInspector
+from baguahvd.engine.timeline import Timeline, algorithm_activity
 from baguahvd.engine.watchdog import is_gone, process_identity
+
+REPO = Path(__file__).resolve().parents[2]
+
 
 # ---------------------------------------------------------------------------------------
 # Notices: how the end of a job is named on every rank
@@ -210,6 +220,132 @@ def _identity_of(pid: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------
+# Timeline
+
+
+def load_trace(path: Path) -> list[dict[str, Any]]:
+    """Parses a timeline, closing an array that a killed writer left open."""
+    text = path.read_text().rstrip()
+    if not text.endswith("]"):
+        text = text.rstrip(",") + "]"
+    events: list[dict[str, Any]] = json.loads(text)
+    return events
+
+
+def _names(events: list[dict[str, Any]]) -> list[str]:
+    return [e.get("name", "") for e in events]
+
+
+def test_timeline_file_is_valid_json_while_it_grows_and_after_stop(tmp_path: Path) -> None:
+    path = tmp_path / "timeline.json"
+    timeline = Timeline()
+    timeline.start(str(path), mark_cycles=True)
+    name = "allreduce.grad"
+    timeline.cycle_started()
+    timeline.negotiation_started(name, OpType.ALLREDUCE)
+    timeline.rank_ready(name, 0)
+    timeline.rank_ready(name, 1)
+    timeline.queued(name, OpType.ALLREDUCE)
+    time.sleep(0.3)
+    # Mid-run, after a flush: already a complete JSON array.
+    events = json.loads(path.read_text())
+    assert "NEGOTIATE_ALLREDUCE" in _names(events)
+    timeline.phase(name, "MEMCPY_IN_FUSION_BUFFER")
+    timeline.phase(name, "MPI_ALLREDUCE")
+    timeline.phase(name, "MEMCPY_OUT_FUSION_BUFFER")
+    timeline.done(name, {"dtype": "float32", "shape": "[[4]]"})
+    timeline.stop()
+    events = json.loads(path.read_text())
+    names = _names(events)
+    for activity in ("NEGOTIATE_ALLREDUCE", "ALLREDUCE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER",
+                     "MPI_ALLREDUCE", "MEMCPY_OUT_FUSION_BUFFER", "CYCLE_START", "0", "1"):
+        assert activity in names, activity
+    assert events[0]["args"]["start_time_since_epoch_in_micros"] > 1.6e15
+    assert {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": name}} in events
+    # Every begin has its end, in order, on the tensor's row.
+    phases = [e["ph"] for e in events if e.get("pid") == 1 and e["ph"] in "BE"]
+    assert phases.count("B") == phases.count("E") == 6
+    assert events[-1]["ph"] == "E" and events[-1]["args"]["dtype"] == "float32"
+    stamps = [e["ts"] for e in events if "ts" in e]
+    assert stamps == sorted(stamps)
+
+
+def test_a_truncated_timeline_still_loads(tmp_path: Path) -> None:
+    path = tmp_path / "timeline.json"
+    timeline = Timeline()
+    timeline.start(str(path))
+    timeline.queued("allreduce.x", OpType.ALLREDUCE)
+    timeline.done("allreduce.x")
+    timeline.stop()
+    text = path.read_text()
+    cut = text.rstrip().rstrip("]").rstrip() + ",\n"
+    (tmp_path / "cut.json").write_text(cut)
+    assert load_trace(tmp_path / "cut.json") == json.loads(text)
+
+
+def test_restarting_the_timeline_starts_a_new_file(tmp_path: Path) -> None:
+    timeline = Timeline()
+    timeline.start(str(tmp_path / "a.json"))
+    timeline.queued("allreduce.x", OpType.ALLREDUCE)
+    timeline.start(str(tmp_path / "b.json"))
+    timeline.queued("allreduce.y", OpType.ALLREDUCE)
+    timeline.done("allreduce.y")
+    timeline.close()
+    first = json.loads((tmp_path / "a.json").read_text())
+    second = json.loads((tmp_path / "b.json").read_text())
+    assert any(e.get("args", {}).get("name") == "allreduce.x" for e in first)
+    assert not any(e.get("args", {}).get("name") == "allreduce.x" for e in second)
+    assert any(e.get("args", {}).get("name") == "allreduce.y" for e in second)
+    # Stopped: nothing is recorded, and stopping twice is harmless.
+    timeline.queued("allreduce.z", OpType.ALLREDUCE)
+    timeline.stop()
+    assert not timeline.active
+
+
+def test_bagua_algorithms_get_their_own_activity() -> None:
+    assert algorithm_activity("allreduce.bagua.bytegrad.bucket0") == "BAGUA_BYTEGRAD"
+    assert algorithm_activity("alltoall.bagua.low_precision_decentralized.ring") == (
+        "BAGUA_LOW_PRECISION_DECENTRALIZED"
+    )
+    assert algorithm_activity("allreduce.fc1.weight") is None
+    assert algorithm_activity("allreduce.noname.3") is None
+
+
+def test_bagua_activity_wraps_the_collective(tmp_path: Path) -> None:
+    path = tmp_path / "timeline.json"
+    timeline = Timeline()
+    timeline.start(str(path))
+    name = "alltoall.bagua.bytegrad.bucket0.alltoall"
+    timeline.queued(name, OpType.ALLTOALL)
+    timeline.phase(name, "MPI_ALLTOALL")
+    timeline.done(name)
+    timeline.stop()
+    begins = [e["name"] for e in json.loads(path.read_text()) if e["ph"] == "B"]
+    assert begins == ["BAGUA_BYTEGRAD", "ALLTOALL", "QUEUE", "MPI_ALLTOALL"]
+
+
+def test_step_window_records_only_between_the_steps(tmp_path: Path) -> None:
+    path = tmp_path / "timeline.json"
+    timeline = Timeline(start_step=2, end_step=3)
+    try:
+        timeline.start(str(path))
+        parameter = torch.nn.Parameter(torch.ones(2))
+        optimizer = torch.optim.SGD([parameter], lr=0.1)
+        for step in range(5):
+            name = f"allreduce.step{step}"
+            timeline.queued(name, OpType.ALLREDUCE)
+            timeline.done(name)
+            parameter.grad = torch.ones(2)
+            optimizer.step()
+        timeline.stop()
+    finally:
+        timeline.close()
+    rows = {e["args"]["name"] for e in json.loads(path.read_text())
+            if e.get("name") == "process_name" and "name" in e.get("args", {})}
+    assert rows == {"allreduce.step2"}
+
+
+# ---------------------------------------------------------------------------------------
 # Logging
 
 
@@ -254,13 +390,76 @@ def test_config_reads_the_reliability_settings() -> None:
         "HOROVOD_LOG_LEVEL": "Trace",
         "HOROVOD_LOG_HIDE_TIME": "1",
         "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0",
+        "BAGUAHVD_TIMELINE_START_STEP": "10",
+        "BAGUAHVD_TIMELINE_END_STEP": "12",
         "BAGUAHVD_PEER_TIMEOUT_SECONDS": "30",
         "BAGUAHVD_EXIT_TIMEOUT_SECONDS": "5",
     })
     assert (config.log_level, config.log_hide_time) == ("trace", True)
     assert config.stall_shutdown_time_s == 0.0
+    assert (config.timeline_start_step, config.timeline_end_step) == (10, 12)
     assert (config.peer_timeout_s, config.exit_timeout_s) == (30.0, 5.0)
     defaults = Config.from_env({})
     assert (defaults.peer_timeout_s, defaults.exit_timeout_s) == (600.0, 30.0)
     with pytest.raises(ValueError, match="HOROVOD_LOG_LEVEL"):
         Config.from_env({"HOROVOD_LOG_LEVEL": "loud"})
+
+
+# ---------------------------------------------------------------------------------------
+# The timeline API in a one-rank job (fresh processes: MPI starts once per process)
+
+
+def _run(body: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {
+        k: v for k, v in os.environ.items()
+        if not k.startswith(("OMPI_", "PMI_", "PMIX_", "HOROVOD_", "BAGUAHVD_"))
+    }
+    environment.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        **env,
+    )
+    script = "import pytest, torch\nimport baguahvd.torch as hvd\n" + textwrap.dedent(body)
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=environment,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    return result
+
+
+def test_start_timeline_needs_init_and_the_variable() -> None:
+    _run(
+        """
+        with pytest.raises(ValueError, match=r"^Horovod has not been initialized; use "
+                                             r"hvd.init\\(\\).$"):
+            hvd.start_timeline("t.json")
+        with pytest.raises(ValueError, match="has not been initialized"):
+            hvd.stop_timeline()
+        hvd.init()
+        with pytest.raises(ValueError, match=r"^Set HOROVOD_TIMELINE=DYNAMIC to enable "
+                                             r"dynamic timeline usage.$"):
+            hvd.start_timeline("t.json")
+        """
+    )
+
+
+def test_one_rank_job_writes_the_timeline(tmp_path: Path) -> None:
+    fixed = tmp_path / "from_env.json"
+    dynamic = tmp_path / "dynamic.json"
+    _run(
+        f"""
+        hvd.init()
+        hvd.allreduce(torch.ones(3), name="from_env")
+        hvd.stop_timeline()
+        hvd.start_timeline({str(dynamic)!r}, mark_cycles=True)
+        hvd.grouped_allreduce([torch.ones(3), torch.ones(2)], name="grouped")
+        hvd.allgather(torch.ones(2), name="gathered")
+        hvd.shutdown()
+        """,
+        HOROVOD_TIMELINE=str(fixed),
+    )
+    assert "allreduce.from_env" in fixed.read_text()
+    text = dynamic.read_text()
+    for part in ("grouped_allreduce.grouped", "allgather.gathered", "MPI_ALLGATHER",
+                 "MEMCPY_IN_FUSION_BUFFER", "start_time_since_epoch_in_micros"):
+        assert part in text, part
+    json.loads(text)
