@@ -360,16 +360,7 @@ class Runtime:
         for state in list(engine.process_sets.values()):
             if list(state.ranks) == ranks:
                 raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
-        handle = engine.submit(
-            OpType.ADD_PROCESS_SET,
-            "add_process_set",
-            GLOBAL_PROCESS_SET_ID,
-            [],
-            None,
-            payload=ranks,
-        )
-        handle.wait()
-        process_set.process_set_id = int(handle.extra)
+        process_set.process_set_id = _register(engine, ranks)
         return process_set
 
     def internal_process_set(self, ranks: Sequence[int]) -> ProcessSet:
@@ -387,17 +378,8 @@ class Runtime:
                 existing = ProcessSet(ranks)
                 existing.process_set_id = ident
                 return existing
-        handle = engine.submit(
-            OpType.ADD_PROCESS_SET,
-            "add_process_set",
-            GLOBAL_PROCESS_SET_ID,
-            [],
-            None,
-            payload=ranks,
-        )
-        handle.wait()
         created = ProcessSet(ranks)
-        created.process_set_id = int(handle.extra)
+        created.process_set_id = _register(engine, ranks)
         return created
 
     def remove_process_set(self, process_set: ProcessSet) -> bool:
@@ -434,6 +416,15 @@ def _failure(exc: BaseException | None) -> str | None:
     if exc is None or isinstance(exc, SystemExit):
         return None
     return describe_exception(exc)
+
+
+def _register(engine: Engine, ranks: list[int]) -> int:
+    """Adds a process set of ``ranks`` through the engine (collective); returns its id."""
+    handle = engine.submit(
+        OpType.ADD_PROCESS_SET, "add_process_set", GLOBAL_PROCESS_SET_ID, [], None, payload=ranks
+    )
+    handle.wait()
+    return int(handle.extra)
 
 
 def _check_ranks(ranks: Sequence[int], size: int) -> None:
