@@ -16,6 +16,9 @@ command carrying what users otherwise have to remember: ``--allow-run-as-root`` 
 run ``export PYTHONPATH=$(python -m baguahvd.run --shim-path):$PYTHONPATH`` first, and pass
 ``-x PYTHONPATH``.
 
+With ``--elastic`` (or ``--host-discovery-script``) the launcher stays and runs ``mpirun`` as
+a child, again after a failure or a host change: see :mod:`baguahvd.elastic_launch`.
+
 The launcher hands its whole environment to ``mpirun``; that pass-through, not configuration,
 is why it reads ``os.environ`` (baguahvd's settings themselves are parsed by
 ``baguahvd.common.config`` on every rank).
@@ -35,7 +38,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from baguahvd import __version__
+from baguahvd import __version__, elastic_launch
 from baguahvd._shim import shim_path
 from baguahvd.common import capabilities
 from baguahvd.common.config import env_flag
@@ -260,6 +263,28 @@ def _prepend_path(current: str | None, entry: str) -> str:
     return os.pathsep.join([entry, *rest])
 
 
+def check_request(args: argparse.Namespace) -> None:
+    """Checks the parts of the command line that do not depend on the hosts.
+
+    Args:
+        args: the parsed command line (see :func:`parse_args`).
+
+    Raises:
+        LaunchError: no command, ``-np`` below 1, malformed ``-x`` or ``--mpi-args``, or an
+            elastic-only flag without ``--elastic``.
+    """
+    if not args.command:
+        raise LaunchError("no command to run; e.g. baguahvdrun -np 2 python train.py")
+    if args.num_proc is not None and args.num_proc < 1:
+        raise LaunchError(f"-np/--num-proc must be at least 1, got {args.num_proc}")
+    for spec in args.env_vars or ():
+        name = spec.partition("=")[0]
+        if not _VAR_NAME.fullmatch(name):
+            raise LaunchError(f"-x {spec!r}: {name!r} is not a variable name; use -x NAME[=VALUE]")
+    _mpi_args(args)
+    elastic_launch.check_elastic_flags(args)
+
+
 def resolve_request(args: argparse.Namespace) -> tuple[list[Host], int]:
     """Checks that the parsed command line describes a launch, and returns where it runs.
 
@@ -271,13 +296,10 @@ def resolve_request(args: argparse.Namespace) -> tuple[list[Host], int]:
         of ranks (all slots of the hosts when ``-np`` was not given).
 
     Raises:
-        LaunchError: no command, ``-np`` below 1, fewer slots than ranks, malformed hosts,
-            ``-x`` or ``--mpi-args``.
+        LaunchError: what :func:`check_request` rejects, fewer slots than ranks, or
+            malformed hosts.
     """
-    if not args.command:
-        raise LaunchError("no command to run; e.g. baguahvdrun -np 2 python train.py")
-    if args.num_proc is not None and args.num_proc < 1:
-        raise LaunchError(f"-np/--num-proc must be at least 1, got {args.num_proc}")
+    check_request(args)
     if args.hosts is not None:
         hosts = parse_hosts(args.hosts)
     elif args.hostfile is not None:
@@ -286,20 +308,19 @@ def resolve_request(args: argparse.Namespace) -> tuple[list[Host], int]:
         hosts = [Host("localhost", args.num_proc)]
     else:
         raise LaunchError("-np/--num-proc is required (or give -H/--hosts or --hostfile)")
+    return hosts, _check_slots(hosts, args.num_proc)
+
+
+def _check_slots(hosts: Sequence[Host], num_proc: int | None) -> int:
     total_slots = sum(host.slots for host in hosts)
-    num_proc = total_slots if args.num_proc is None else args.num_proc
+    num_proc = total_slots if num_proc is None else num_proc
     if total_slots < num_proc:
         raise LaunchError(
             f"-np {num_proc} needs {num_proc} slots but the hosts provide only {total_slots} "
             f"({','.join(f'{host.name}:{host.slots}' for host in hosts)}); give more slots "
             "(host:slots) or a smaller -np"
         )
-    for spec in args.env_vars or ():
-        name = spec.partition("=")[0]
-        if not _VAR_NAME.fullmatch(name):
-            raise LaunchError(f"-x {spec!r}: {name!r} is not a variable name; use -x NAME[=VALUE]")
-    _mpi_args(args)
-    return hosts, num_proc
+    return num_proc
 
 
 def _mpi_args(args: argparse.Namespace) -> list[str]:
@@ -315,6 +336,8 @@ def build_command(
     *,
     mpirun: str | None = None,
     open_mpi_major: int | None = None,
+    hosts: Sequence[Host] | None = None,
+    num_proc: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """Builds the ``mpirun`` command line and the environment it runs with.
 
@@ -327,6 +350,10 @@ def build_command(
         mpirun: the ``mpirun`` to use; found with :func:`find_mpirun` when ``None``.
         open_mpi_major: Open MPI's major version, which decides how ``--output-filename``
             is spelled (``--output dir=`` from version 5); ``None`` when unknown.
+        hosts: the hosts of this launch instead of ``args``'s ``-H``/``--hostfile``/``-np``
+            (an elastic job chooses them before each launch).
+        num_proc: the number of ranks with ``hosts`` (default: all their slots); ignored
+            without ``hosts``.
 
     Returns:
         The argument vector (starting with the ``mpirun`` path) and the environment.
@@ -336,7 +363,11 @@ def build_command(
             than ranks, malformed hosts or ``-x``).
         MpirunNotFoundError: ``mpirun`` is ``None`` and none can be found.
     """
-    hosts, num_proc = resolve_request(args)
+    if hosts is None:
+        hosts, num_proc = resolve_request(args)
+    else:
+        check_request(args)
+        num_proc = _check_slots(hosts, num_proc)
     out_env = dict(env)
     _tuning_variables(args, out_env)
     user_names: list[str] = []
@@ -538,10 +569,83 @@ def make_parser() -> argparse.ArgumentParser:
         help="make `import horovod.torch` load baguahvd.torch on the ranks "
         "(default: BAGUAHVD_AS_HOROVOD)",
     )
+    _add_elastic_arguments(parser)
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, help="the program to run and its arguments"
     )
     return parser
+
+
+def _add_elastic_arguments(parser: argparse.ArgumentParser) -> None:
+    elastic = parser.add_argument_group(
+        "elastic training (relaunch the job after a failure or a host change)"
+    )
+    elastic.add_argument(
+        "--elastic",
+        action="store_true",
+        help="relaunch the job when it fails or its hosts change; the ranks resume from "
+        "their last commit",
+    )
+    elastic.add_argument(
+        "--host-discovery-script",
+        metavar="SCRIPT",
+        help="executable printing one 'host' or 'host:slots' per line, run before every "
+        "launch and every second during one; implies --elastic",
+    )
+    elastic.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="folder for the ranks' commits and host notices, kept at the end (default: a "
+        "temporary folder, removed after success)",
+    )
+    elastic.add_argument(
+        "--min-np",
+        type=int,
+        dest="min_num_proc",
+        metavar="N",
+        help="fewest ranks of a launch (default -np, else 1)",
+    )
+    elastic.add_argument(
+        "--max-np",
+        type=int,
+        dest="max_num_proc",
+        metavar="N",
+        help="most ranks of a launch (default: every available slot)",
+    )
+    elastic.add_argument(
+        "--slots-per-host",
+        type=int,
+        metavar="N",
+        help="slots of a discovered host printed without :slots (default 1)",
+    )
+    elastic.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="N",
+        help=f"relaunches after failures before giving up (default "
+        f"{elastic_launch.DEFAULT_MAX_RESTARTS})",
+    )
+    elastic.add_argument(
+        "--reset-limit",
+        type=int,
+        metavar="N",
+        help="relaunches of any kind before giving up (default: no limit)",
+    )
+    elastic.add_argument(
+        "--elastic-timeout",
+        type=float,
+        metavar="S",
+        help=f"seconds to wait for --min-np slots (default "
+        f"{elastic_launch.DEFAULT_ELASTIC_TIMEOUT:g})",
+    )
+    elastic.add_argument(
+        "--blacklist-cooldown-range",
+        type=float,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        help="leave a host where a rank failed out for a random MIN..MAX seconds "
+        "(default: never leave a host out)",
+    )
 
 
 def parse_args(
@@ -591,6 +695,9 @@ def _warn_if_shadowing(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs ``baguahvdrun``; on success it does not return but becomes ``mpirun``.
 
+    With ``--elastic`` it returns when the job ends (see
+    :meth:`baguahvd.elastic_launch.ElasticLauncher.run` for the status).
+
     Args:
         argv: the arguments without the program name (default ``sys.argv[1:]``).
 
@@ -615,6 +722,8 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(shim_path())
         return 0
     env = dict(os.environ)
+    if elastic_launch.is_elastic(args):
+        return _launch_elastic(parser, args, env)
     try:
         resolve_request(args)  # usage errors come before looking for mpirun
         mpirun = find_mpirun(env)
@@ -639,5 +748,28 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0  # reached only when os.execvpe is replaced, as in tests
 
 
+def _launch_elastic(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, env: dict[str, str]
+) -> int:
+    try:
+        settings = elastic_launch.ElasticSettings.from_args(args, env)
+        mpirun = find_mpirun(env)
+        open_mpi_major = probe_mpirun(mpirun)
+    except LaunchError as error:
+        parser.error(str(error))
+    except MpirunNotFoundError as error:
+        print(f"baguahvdrun: error: {error}", file=sys.stderr)
+        return 1
+    _warn_if_shadowing(args)
+    launcher = elastic_launch.ElasticLauncher(
+        args, settings, env, mpirun=mpirun, open_mpi_major=open_mpi_major
+    )
+    return launcher.run()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    # Under ``python -m`` this file runs as ``__main__`` while baguahvd.elastic_launch uses
+    # it as ``baguahvd.run``; run that copy so that both raise and catch the same classes.
+    from baguahvd.run import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,44 @@
+"""The contract between ``baguahvdrun --elastic`` and the ranks it starts.
+
+Elastic jobs survive failures and host changes by restarting: the launcher runs ``mpirun``
+in a loop, and every rank resumes from the state the job last committed.
+
+* Every rank of every launch gets :data:`ELASTIC_ENV` ``=1``, :data:`ELASTIC_DIR_ENV` (the
+  folder for commits and notices, the same for every launch of a job),
+  :data:`RESTART_ENV` (how many launches came before this one: ``0`` for the first) and
+  :data:`HOSTS_VERSION_ENV` (the version of the host set this launch was started with).
+* When the host set changes while a launch runs, the launcher writes
+  ``<ELASTIC_DIR>/``:data:`HOSTS_NOTICE_FILE` atomically (a temporary file, then
+  ``os.replace``) as JSON: ``{"version": v, "hosts": [["host", slots], ...],
+  "result": "added" | "removed" | "mixed"}``. Versions count the changes; version ``0`` is
+  the initial host set and is never written. A rank that finds a version newer than its
+  :data:`HOSTS_VERSION_ENV` commits and exits with :data:`RESIZE_EXIT_CODE`.
+* The launcher reads ``mpirun``'s exit status: ``0`` ends the job, :data:`RESIZE_EXIT_CODE`
+  relaunches at once on the new host set without counting as a failure, anything else is a
+  failure that is relaunched while ``--max-restarts`` allows.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+RESIZE_EXIT_CODE: Final = 75
+"""Exit status of a rank (and so of the job) that stopped because the host set changed."""
+
+ELASTIC_ENV: Final = "HOROVOD_ELASTIC"
+"""Set to ``1`` for the ranks of an elastic job."""
+ELASTIC_DIR_ENV: Final = "BAGUAHVD_ELASTIC_DIR"
+"""The folder holding the job's commits and the host-change notice."""
+RESTART_ENV: Final = "BAGUAHVD_ELASTIC_RESTART"
+"""How many launches of the job came before this one (``0`` for the first)."""
+HOSTS_VERSION_ENV: Final = "BAGUAHVD_ELASTIC_HOSTS_VERSION"
+"""The version of the host set this launch was started with (``0`` for the initial set)."""
+
+HOSTS_NOTICE_FILE: Final = "hosts.json"
+"""Name of the host-change notice inside :data:`ELASTIC_DIR_ENV`'s folder."""
+HOSTS_ADDED: Final = "added"
+"""Notice ``result``: hosts or slots were added and none removed."""
+HOSTS_REMOVED: Final = "removed"
+"""Notice ``result``: hosts or slots were removed and none added."""
+HOSTS_MIXED: Final = "mixed"
+"""Notice ``result``: some hosts or slots were added and others removed."""
