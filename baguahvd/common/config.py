@@ -121,7 +121,18 @@ class Config:
     dynamic_process_sets: bool = False
     """Allow add_process_set/remove_process_set after init (HOROVOD_DYNAMIC_PROCESS_SETS)."""
     elastic: bool = False
-    """Elastic mode (HOROVOD_ELASTIC)."""
+    """Elastic mode (HOROVOD_ELASTIC); ``baguahvdrun --elastic`` sets it for the ranks."""
+    elastic_dir: str | None = None
+    """Folder where ``hvd.elastic`` states persist their commits and read host-change
+    notices (BAGUAHVD_ELASTIC_DIR; set by ``baguahvdrun --elastic``). With it, a relaunched
+    job resumes from the newest commit found there."""
+    elastic_restart: int = 0
+    """How many launches of this elastic job came before this one
+    (BAGUAHVD_ELASTIC_RESTART; set by ``baguahvdrun --elastic``)."""
+    elastic_hosts_version: int = 0
+    """Version of the host set this launch started with (BAGUAHVD_ELASTIC_HOSTS_VERSION;
+    set by ``baguahvdrun --elastic``); a newer notice in ``elastic_dir`` interrupts
+    training at the next commit."""
     mpi_threads_disable: bool = False
     """Ask MPI for a serialized rather than a multi-threaded library
     (HOROVOD_MPI_THREADS_DISABLE)."""
@@ -188,6 +199,13 @@ class Config:
             log_hide_time=_as_bool(env, "LOG_HIDE_TIME"),
             dynamic_process_sets=_as_bool(env, "DYNAMIC_PROCESS_SETS"),
             elastic=_as_bool(env, "ELASTIC"),
+            elastic_dir=_lookup(env, "ELASTIC_DIR", horovod_alias=False),
+            elastic_restart=int(
+                _as_number(env, "ELASTIC_RESTART", 0, int, horovod_alias=False)
+            ),
+            elastic_hosts_version=int(
+                _as_number(env, "ELASTIC_HOSTS_VERSION", 0, int, horovod_alias=False)
+            ),
             mpi_threads_disable=_as_bool(env, "MPI_THREADS_DISABLE"),
             disable_group_fusion=_as_bool(env, "DISABLE_GROUP_FUSION"),
             num_nccl_streams=max(1, int(_as_number(env, "NUM_NCCL_STREAMS", 1, int))),

@@ -13,6 +13,7 @@ from baguahvd.common.capabilities import (
 )
 from baguahvd.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from baguahvd.common.process_sets import ProcessSet, global_process_set
+from baguahvd.torch import elastic as elastic
 from baguahvd.torch.compression import Compression
 from baguahvd.torch.functions import (
     allgather_object,

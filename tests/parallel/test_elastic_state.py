@@ -1,0 +1,172 @@
+"""hvd.elastic: TorchState save/restore/sync/commit, persisted commits, ElasticSampler.
+
+Each rank starts from different values (seeded with its rank); after ``sync()`` every rank
+must hold rank 0's, which the test rebuilds locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import baguahvd.torch as hvd
+from baguahvd.common.basics import runtime
+from baguahvd.common.exceptions import HostsUpdatedInterrupt
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 4, generator=generator)
+    optimizer.zero_grad()
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+
+
+def _state(rank: int, **extra: object) -> hvd.elastic.TorchState:
+    model = _model(rank)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train_step(model, optimizer, rank)  # momentum buffers differ per rank
+    return hvd.elastic.TorchState(model, optimizer, epoch=rank, notes=[rank], **extra)
+
+
+def _equal_models(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_sync_takes_rank_zero_values(rank: int, size: int) -> None:
+    state = _state(rank)
+    state.sync()
+    reference = _state(0)
+    assert _equal_models(state.model, reference.model)
+    assert state.epoch == 0 and state.notes == [0]
+    for group in state.optimizer.state_dict()["state"]:
+        assert torch.equal(
+            state.optimizer.state_dict()["state"][group]["momentum_buffer"],
+            reference.optimizer.state_dict()["state"][group]["momentum_buffer"],
+        )
+
+
+def test_restore_returns_to_last_commit(rank: int) -> None:
+    state = _state(rank)
+    state.sync()
+    state.commit()
+    committed = {k: v.clone() for k, v in state.model.state_dict().items()}
+    _train_step(state.model, state.optimizer, 100 + rank)
+    state.epoch += 5
+    state.notes.append("changed")
+    state.restore()
+    assert all(torch.equal(committed[k], v) for k, v in state.model.state_dict().items())
+    assert state.epoch == 0 and state.notes == [0]
+
+
+def test_assigning_a_model_retargets_the_handler(rank: int) -> None:
+    state = _state(rank)
+    replacement = _model(50)
+    state.model = replacement
+    assert state.model is replacement
+    with torch.no_grad():
+        for p in replacement.parameters():
+            p.add_(1.0)
+    state.restore()  # the assignment saved the replacement as it was then
+    assert _equal_models(replacement, _model(50))
+
+
+def test_sampler_state_is_synced(rank: int, size: int) -> None:
+    sampler = hvd.elastic.ElasticSampler(list(range(40)), seed=7)
+    sampler.set_epoch(3 + rank)
+    sampler.record_batch(0, 2)
+    state = hvd.elastic.TorchState(sampler=sampler)
+    state.sync()
+    assert sampler.state_dict() == {"epoch": 3, "processed_num": 2 * size}
+    seen = hvd.allgather_object(list(sampler))
+    flat = sorted(i for part in seen for i in part)
+    assert flat == sorted(_rest_of_epoch(40, 7, 3, 2 * size, size))
+
+
+def _rest_of_epoch(n: int, seed: int, epoch: int, processed: int, size: int) -> list[int]:
+    import random
+
+    order = list(range(n))
+    random.Random(seed + epoch).shuffle(order)
+    rest = order[processed:]
+    padded = rest + rest[: (-len(rest)) % size]
+    return padded
+
+
+def test_host_update_interrupts_every_rank_at_commit(rank: int) -> None:
+    state = _state(rank)
+    state.sync()
+    if rank == 0:  # rank 0 decides for everybody
+        state.on_hosts_updated(1.0, hvd.elastic.state.HostUpdateResult.removed)
+    with pytest.raises(HostsUpdatedInterrupt) as raised:
+        state.commit()
+    assert raised.value.skip_sync is True
+    state.commit()  # reported once
+
+
+@pytest.fixture
+def elastic_dir() -> Iterator[str]:
+    made = tempfile.mkdtemp(prefix="elastic-test-") if hvd.rank() == 0 else None
+    folder = hvd.broadcast_object(made, 0, name="elastic_dir")
+    previous = runtime.config
+    assert previous is not None
+    runtime.config = dataclasses.replace(previous, elastic_dir=folder)
+    try:
+        yield folder
+    finally:
+        runtime.config = previous
+        hvd.barrier()
+
+
+def test_commit_persists_and_a_new_state_resumes(rank: int, elastic_dir: str) -> None:
+    state = _state(rank)
+    state.sync()
+    for step in range(3):
+        _train_step(state.model, state.optimizer, step)
+        state.epoch += 1
+        state.commit()
+    expected = {k: v.clone() for k, v in state.model.state_dict().items()}
+    expected_momentum = {
+        k: v["momentum_buffer"].clone() for k, v in state.optimizer.state_dict()["state"].items()
+    }
+    hvd.barrier()
+    # A fresh process would build its state from scratch; this one does the same.
+    fresh = _state(rank + 10)
+    resumed = fresh._resume()
+    assert resumed
+    fresh.sync()
+    assert all(torch.equal(expected[k], v) for k, v in fresh.model.state_dict().items())
+    for k, v in fresh.optimizer.state_dict()["state"].items():
+        assert torch.equal(v["momentum_buffer"], expected_momentum[k])
+    assert fresh.epoch == 3
+    assert fresh._commits == 3
+
+
+def test_run_resumes_and_calls_reset_callbacks(rank: int, elastic_dir: str) -> None:
+    state = _state(rank)
+
+    @hvd.elastic.run
+    def first(state: hvd.elastic.TorchState) -> None:
+        state.epoch = 41
+        state.commit()
+
+    first(state)
+    calls: list[int] = []
+    fresh = _state(rank + 20)
+    fresh.register_reset_callbacks([lambda: calls.append(hvd.size())])
+
+    @hvd.elastic.run
+    def second(state: hvd.elastic.TorchState, bonus: int) -> int:
+        return state.epoch + bonus
+
+    assert second(fresh, 1) == 42
+    assert calls == [hvd.size()]
