@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -21,25 +23,40 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 DIGITS = EXAMPLES / "pytorch_digits.py"
 BENCHMARK = EXAMPLES / "pytorch_synthetic_benchmark.py"
+ELASTIC = EXAMPLES / "pytorch_digits_elastic.py"
 TIMEOUT_S = 120
 BAGUAHVD_IMPORT = "import baguahvd.torch as hvd"
 HOROVOD_IMPORT = "import horovod.torch as hvd"
 DIGITS_ARGS = ["--epochs", "5", "--log-interval", "0"]
-BENCHMARK_ARGS = ["--batch-size", "16", "--num-warmup-batches", "2",
-                  "--num-batches-per-iter", "2", "--num-iters", "3"]
+BENCHMARK_ARGS = [
+    "--batch-size",
+    "16",
+    "--num-warmup-batches",
+    "2",
+    "--num-batches-per-iter",
+    "2",
+    "--num-iters",
+    "3",
+]
 ACCURACY = re.compile(r"^test accuracy: (\d\.\d{4})$", re.MULTILINE)
 TOTAL = re.compile(r"^Total img/sec on 2 CPU\(s\): (\d+\.\d) \+-(\d+\.\d)$", re.MULTILINE)
 
 pytestmark = pytest.mark.parallel
 
 
-def run(script: pathlib.Path, args: list[str], tmp_path: pathlib.Path,
-        extra_env: dict[str, str] | None = None) -> str:
+def run(
+    script: pathlib.Path,
+    args: list[str],
+    tmp_path: pathlib.Path,
+    extra_env: dict[str, str] | None = None,
+) -> str:
     """Runs ``script`` on two ranks; returns rank 0's output, failing on any error."""
     result = launch([str(script), *args], 2, tmp_path, TIMEOUT_S, extra_env)
     if result.returncode != 0:
-        pytest.fail(f"{script.name} failed (exit {result.returncode})\n{result.stderr}\n"
-                    f"{result.stdout}", pytrace=False)
+        pytest.fail(
+            f"{script.name} failed (exit {result.returncode})\n{result.stderr}\n{result.stdout}",
+            pytrace=False,
+        )
     return (tmp_path / "rank.0.log").read_text(errors="replace")
 
 
@@ -61,8 +78,13 @@ def accuracy(output: str) -> float:
 
 
 def assert_benchmark_output(output: str) -> None:
-    for line in ("Model: small_cnn", "Batch size: 16", "Number of CPUs: 2",
-                 "Running warmup...", "Running benchmark..."):
+    for line in (
+        "Model: small_cnn",
+        "Batch size: 16",
+        "Number of CPUs: 2",
+        "Running warmup...",
+        "Running benchmark...",
+    ):
         assert re.search(rf"^{re.escape(line)}$", output, re.MULTILINE), (line, output)
     assert len(re.findall(r"^Iter #\d+: \d+\.\d img/sec per CPU$", output, re.MULTILINE)) == 3
     assert re.search(r"^Img/sec per CPU: \d+\.\d \+-\d+\.\d$", output, re.MULTILINE), output
@@ -101,13 +123,84 @@ def test_synthetic_benchmark(tmp_path: pathlib.Path) -> None:
     assert "Algorithm: gradient_allreduce" in output
 
 
+def _rank_pid(rank: int, elastic_dir: pathlib.Path) -> int | None:
+    """The pid of ``rank`` of the elastic job using ``elastic_dir``, from /proc."""
+    wanted = [
+        f"OMPI_COMM_WORLD_RANK={rank}".encode(),
+        f"BAGUAHVD_ELASTIC_DIR={elastic_dir}".encode(),
+    ]
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if all(item in environ for item in wanted):
+            return int(proc.name)
+    return None
+
+
+def test_digits_elastic_survives_kill_9(tmp_path: pathlib.Path) -> None:
+    elastic_dir = tmp_path / "elastic"
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        OMPI_MCA_mpi_yield_when_idle="1",
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "baguahvd.run",
+        "--elastic",
+        "-np",
+        "2",
+        "--checkpoint-dir",
+        str(elastic_dir),
+        sys.executable,
+        str(ELASTIC),
+        "--epochs",
+        "4",
+        "--batches-per-commit",
+        "5",
+    ]
+    with subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as job:
+        try:
+            # Kill rank 1 once the job has committed a few times, i.e. mid-training.
+            deadline = time.monotonic() + TIMEOUT_S
+            victim = None
+            while victim is None and time.monotonic() < deadline and job.poll() is None:
+                if any(elastic_dir.glob("commit-[3-9].*.pt")):
+                    victim = _rank_pid(1, elastic_dir)
+                time.sleep(0.05)
+            assert victim is not None, "the job ended or never committed"
+            os.kill(victim, signal.SIGKILL)
+            output, _ = job.communicate(timeout=TIMEOUT_S)
+        except BaseException:
+            job.kill()
+            raise
+    assert job.returncode == 0, output
+    assert "launch 1 failed" in output and "restart 1 of 3" in output, output
+    assert accuracy(output) >= 0.85, output[-3000:]
+
+
 # ---------------------------------------------------------------------------------------
 # As unmodified Horovod scripts, through the shim
 
 
 def shim_path() -> str:
-    result = subprocess.run([sys.executable, "-m", "baguahvd.run", "--shim-path"], cwd=ROOT,
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "baguahvd.run", "--shim-path"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return result.stdout.strip()
 
 
@@ -126,17 +219,34 @@ def test_digits_as_horovod(tmp_path: pathlib.Path) -> None:
 def test_benchmark_through_baguahvdrun_as_horovod(tmp_path: pathlib.Path) -> None:
     script = as_horovod_script(BENCHMARK, tmp_path)
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", OMPI_MCA_mpi_yield_when_idle="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    env.update(
+        OMP_NUM_THREADS="1",
+        OMPI_MCA_mpi_yield_when_idle="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+    )
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "baguahvd.run", "--as-horovod", "-np", "2",
-             sys.executable, str(script), *BENCHMARK_ARGS],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+            [
+                sys.executable,
+                "-m",
+                "baguahvd.run",
+                "--as-horovod",
+                "-np",
+                "2",
+                sys.executable,
+                str(script),
+                *BENCHMARK_ARGS,
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
         )
     except subprocess.TimeoutExpired as error:
-        pytest.fail(f"timed out after {TIMEOUT_S} s:\n{error.stdout!r}\n{error.stderr!r}",
-                    pytrace=False)
+        pytest.fail(
+            f"timed out after {TIMEOUT_S} s:\n{error.stdout!r}\n{error.stderr!r}", pytrace=False
+        )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert_benchmark_output(result.stdout)
@@ -149,10 +259,12 @@ def test_benchmark_through_baguahvdrun_as_horovod(tmp_path: pathlib.Path) -> Non
 
 def real_horovod_available() -> bool:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "BAGUAHVD_AS_HOROVOD")}
-    probe = ("import horovod.torch, sys; "
-             "sys.exit(1 if hasattr(horovod, '__baguahvd_version__') else 0)")
-    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
-                            cwd=pathlib.Path("/"))
+    probe = (
+        "import horovod.torch, sys; sys.exit(1 if hasattr(horovod, '__baguahvd_version__') else 0)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, cwd=pathlib.Path("/")
+    )
     return result.returncode == 0
 
 
