@@ -250,11 +250,92 @@ def test_an_engine_bug_does_not_leave_peers_hanging(
     assert code != 0, dump
     assert "the engine stopped after an internal error" in logs[1], dump
     assert "RuntimeError: injected engine bug" in logs[1], dump
-    if where == "between_cycles":
-        assert "PEER_FAILURE rank=1 reason=baguahvd engine failed: RuntimeError: injected " \
-               "engine bug" in logs[0], dump
+    assert "PEER_FAILURE rank=1 reason=baguahvd engine failed: RuntimeError: injected " \
+           "engine bug" in logs[0], dump
+    if where == "mid_cycle":
+        # Rank 0's engine thread waits in a collective that rank 1 left: MPI cannot finish.
+        assert "ending the job with MPI_Abort" in dump, dump
+    assert elapsed < 3 + STARTUP_SLACK_S, dump
+
+
+# ---------------------------------------------------------------------------------------
+# A collective that fails on one rank only, while it runs
+
+_FAILS_LOCALLY = """
+from baguahvd.engine import execute
+
+original_get = execute.FusionBuffers.get
+original_allgather = execute.allgather
+
+def no_fusion_buffer(self, dtype, count, device):
+    raise MemoryError("no room for a fusion buffer of %d elements" % count)
+
+def no_allgather_output(comm, response, request):
+    raise MemoryError("no room for the allgather output")
+
+if rank == 1:
+    time.sleep(0.5)  # rank 0 waits in the collective by then
+    if "{where}" == "fusion_buffer":
+        execute.FusionBuffers.get = no_fusion_buffer
     else:
-        assert "ending the job with MPI_Abort" in logs[1], dump
+        execute.allgather = no_allgather_output
+    print(f"FAILING_AT {{time.time():.3f}}", flush=True)
+try:
+    if "{where}" == "fusion_buffer":
+        handles = [hvd.allreduce_async(torch.ones(3), name=f"fused.{{i}}") for i in range(8)]
+        for handle in handles:
+            hvd.synchronize(handle)
+    else:
+        hvd.allgather(torch.ones(2), name="gathered")
+except PeerFailureError as exc:
+    print(f"PEER_FAILURE {{time.time():.3f}} rank={{exc.rank}} reason={{exc.reason}}",
+          flush=True)
+    raise
+"""
+
+
+@pytest.mark.parallel
+@pytest.mark.parametrize("where", ["fusion_buffer", "allgather"])
+def test_a_collective_that_fails_on_one_rank_fails_on_every_rank(
+    tmp_path: pathlib.Path, where: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, logs, elapsed = _run(tmp_path, _FAILS_LOCALLY.format(where=where), np=2,
+                               env=FAST_FAILURE)
+    dump = _dump(logs)
+    assert code != 0, dump
+    text = ("no room for a fusion buffer of 24 elements" if where == "fusion_buffer"
+            else "no room for the allgather output")
+    name = "allreduce.fused.0 (fused with 7 more)" if where == "fusion_buffer" \
+        else "allgather.gathered"
+    for r in (0, 1):
+        assert "PEER_FAILURE" in logs[r] and f"rank=1 reason={name}: MemoryError: {text} " \
+            "(at " in logs[r], dump
+    # Rank 0 hears of it at once, not after BAGUAHVD_PEER_TIMEOUT_SECONDS.
+    failing = re.search(r"FAILING_AT (\d+\.\d+)", logs[1])
+    heard = re.search(r"PEER_FAILURE (\d+\.\d+)", logs[0])
+    assert failing and heard, dump
+    failed_at, heard_at = float(failing.group(1)), float(heard.group(1))
+    with capsys.disabled():
+        print(f"\n[{where}] failure on rank 1 to the error on rank 0: "
+              f"{heard_at - failed_at:.2f} s")
+    assert heard_at - failed_at < 5, dump
+    assert elapsed < 5 + STARTUP_SLACK_S, dump
+
+
+@pytest.mark.parallel
+def test_without_mpi_threads_a_failing_collective_still_ends_the_job(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Rank 0's engine thread waits inside MPI_Allreduce, and MPI lets no other thread in to
+    # hear rank 1's alarm: rank 1 ends the job after BAGUAHVD_EXIT_TIMEOUT_SECONDS.
+    env = {**FAST_FAILURE, "HOROVOD_MPI_THREADS_DISABLE": "1"}
+    code, logs, elapsed = _run(tmp_path, _FAILS_LOCALLY.format(where="fusion_buffer"), np=2,
+                               env=env)
+    dump = _dump(logs)
+    assert code != 0, dump
+    assert "PEER_FAILURE" in logs[1] and "no room for a fusion buffer" in logs[1], dump
+    assert "ending the job with MPI_Abort: ranks [0] did not acknowledge this rank's " \
+           "failure within 3 s" in logs[1], dump
     assert elapsed < 3 + STARTUP_SLACK_S, dump
 
 

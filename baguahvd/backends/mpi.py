@@ -8,8 +8,9 @@ collectives (allgather, broadcast, alltoall) send raw bytes, so they work for ev
 from __future__ import annotations
 
 import pickle
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,10 @@ _MPI_TYPES = {
 
 # Reduced in float32 because MPI has no arithmetic for them.
 _WIDENED = (torch.float16, torch.bfloat16)
+
+# Tags of the alarm communicator (see Controller.raise_alarm).
+_TAG_ALARM = 1
+_TAG_ACK = 2
 
 
 def _mpi_op(op: ReduceOp) -> Any:
@@ -208,20 +213,35 @@ class Controller:
         # Used once, at exit after a failure, while the engine's communicator may be stuck
         # in a collective that will never complete.
         self._exit_comm = comm.Dup()
+        # Point-to-point messages outside the lockstep protocol: a rank that leaves it tells
+        # the others through this one (see raise_alarm).
+        self._alarm_comm = comm.Dup()
+        self._alarm_lock = threading.Lock()
+        self._outgoing: list[Any] = []
+        self._acknowledged: set[int] = set()
+        self.threads_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        """Whether a second thread may call MPI while the engine thread is inside MPI."""
 
-    def bitwise_and(self, words: np.ndarray) -> np.ndarray:
+    def bitwise_and(
+        self, words: np.ndarray, waiting: Callable[[], None] | None = None
+    ) -> np.ndarray:
         """Returns the bitwise AND of ``words`` over all ranks.
 
         Waits by testing between short sleeps rather than in MPI's busy wait or a Python
         spin: a sleeping thread leaves both the CPU (ranks are often oversubscribed) and the
-        GIL (the training thread needs it) to others.
+        GIL (the training thread needs it) to others. ``waiting()`` is called between tests
+        once the wait takes longer than a few sleeps; it may raise to give up (the request
+        is then left pending: the job is ending).
         """
         result = np.empty_like(words)
         request = self.comm.Iallreduce([words, MPI.BYTE], [result, MPI.BYTE], op=MPI.BAND)
         delay = 5e-6
         while not request.Test():
             time.sleep(delay)
-            delay = min(delay * 2, 1e-4)
+            if delay < 1e-4:
+                delay = min(delay * 2, 1e-4)
+            elif waiting is not None:
+                waiting()
         return result
 
     def gather(self, payload: Any) -> list[Any] | None:
@@ -275,6 +295,43 @@ class Controller:
             time.sleep(0.01)
         return True
 
+    def raise_alarm(self, payload: Any, ranks: Sequence[int]) -> None:
+        """Sends ``payload`` to ``ranks`` at once, whatever they are doing: the way out for a
+        rank that can no longer follow the protocol (it failed in the middle of a cycle, so
+        its peers may wait in a collective it will never join). They see it in
+        :meth:`poll_alarm` and answer with :meth:`acknowledge`."""
+        with self._alarm_lock:
+            for rank in ranks:
+                self._outgoing.append(self._alarm_comm.isend(payload, dest=rank, tag=_TAG_ALARM))
+
+    def poll_alarm(self) -> tuple[int, Any] | None:
+        """An alarm that arrived, as ``(sending rank, payload)``; never blocks. Safe to call
+        from any thread when :attr:`threads_multiple`."""
+        with self._alarm_lock:
+            status = MPI.Status()
+            message = self._alarm_comm.improbe(MPI.ANY_SOURCE, _TAG_ALARM, status)
+            if message is None:
+                return None
+            return status.Get_source(), message.recv()
+
+    def acknowledge(self, rank: int) -> None:
+        """Tells ``rank`` that its alarm was received."""
+        with self._alarm_lock:
+            self._outgoing.append(self._alarm_comm.isend(None, dest=rank, tag=_TAG_ACK))
+
+    def acknowledged(self) -> set[int]:
+        """The ranks that have acknowledged this rank's alarm so far; never blocks."""
+        with self._alarm_lock:
+            status = MPI.Status()
+            while True:
+                message = self._alarm_comm.improbe(MPI.ANY_SOURCE, _TAG_ACK, status)
+                if message is None:
+                    break
+                message.recv()
+                self._acknowledged.add(status.Get_source())
+            self._outgoing = [r for r in self._outgoing if not r.Test()]
+            return set(self._acknowledged)
+
     @staticmethod
     def abort(code: int) -> None:
         """Ends every process of the job (MPI_Abort on MPI_COMM_WORLD)."""
@@ -283,6 +340,7 @@ class Controller:
     def free(self) -> None:
         self.comm.Free()
         self._exit_comm.Free()
+        self._alarm_comm.Free()
 
 
 class Topology:

@@ -17,8 +17,12 @@ Nothing waits forever. A rank that shuts down, fails (an uncaught exception, a b
 engine) or whose collectives stall past the shutdown time (rank 0's
 :mod:`~baguahvd.engine.stall` inspector) ends the job in the next cycle with a
 :mod:`~baguahvd.engine.notices` notice that every rank turns into the same error; a peer
-that dies or freezes is noticed by the :mod:`~baguahvd.engine.watchdog`. Rank 0 records
-what happens in the :mod:`~baguahvd.engine.timeline` when HOROVOD_TIMELINE is set.
+that dies or freezes is noticed by the :mod:`~baguahvd.engine.watchdog`. A rank that fails
+in the middle of a cycle (a collective that raises on this rank only: no memory for the
+fusion buffer, a backend error) cannot wait for the next one, since its peers may be blocked
+in a collective it will never join: it sends the notice as an alarm outside the protocol
+(see :meth:`Engine._leave_mid_cycle`). Rank 0 records what happens in the
+:mod:`~baguahvd.engine.timeline` when HOROVOD_TIMELINE is set.
 """
 
 from __future__ import annotations
@@ -77,6 +81,19 @@ _ISOLATED_QUIET_S = 1e-5
 # Flag bits of the last byte of the negotiation vector; a cleared bit means "yes".
 _FLAG_NOTHING_TO_SEND = 1
 _FLAG_NO_SHUTDOWN = 2
+
+
+class _CollectiveFailure(Exception):
+    """A unit of agreed collectives raised on this rank while it ran (engine thread)."""
+
+    def __init__(self, unit: list[tuple[Response, Request | None]], error: Exception) -> None:
+        super().__init__(str(error))
+        self.unit = unit
+        self.error = error
+
+
+class _Abandoned(Exception):
+    """The engine thread stops waiting for its peers: the job is ending."""
 
 
 @dataclasses.dataclass
@@ -225,7 +242,11 @@ class Engine:
         self._stopped: BaseException | None = None
         self.abnormal = False
         """Whether the engine stopped because something failed (see :meth:`leave_job`)."""
-        self._peer_gone = False
+        self._leaving = False
+        """Whether the engine thread is telling the peers that this rank failed."""
+        self._mpi_stuck: str | None = None
+        """Why this rank's MPI calls cannot all complete (a peer is gone or left a
+        collective unfinished): leaving the job must then end it with MPI_Abort."""
         self._thread: threading.Thread | None = None
         self._watchdog: Watchdog | None = None
         self.timeline = (
@@ -303,9 +324,13 @@ class Engine:
             return
         identities = self.controller.allgather_ints(process_identity())
         self._thread = threading.Thread(target=self._run, name="baguahvd-engine", daemon=True)
+        # Alarms are looked for by the watchdog when MPI lets a second thread in while
+        # the engine thread waits inside a collective; otherwise only by the engine thread
+        # (see _waiting), which cannot while it is blocked in a data collective.
         self._watchdog = Watchdog(
             self.rank, identities, lambda: self.cycles, self._peer_lost,
             self.config.peer_timeout_s,
+            poll=self._check_alarm if self.controller.threads_multiple else None,
         )
         self._thread.start()
         self._watchdog.start()
@@ -322,8 +347,10 @@ class Engine:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             deadline = time.monotonic() + timeout
-            # A failure noticed meanwhile (a dead peer) may leave the thread stuck in MPI.
-            while thread.is_alive() and time.monotonic() < deadline and not self.abnormal:
+            # A failure noticed meanwhile (a dead peer) may leave the thread stuck in MPI;
+            # one that is telling the peers of this rank's failure ends in bounded time.
+            while (thread.is_alive() and time.monotonic() < deadline
+                   and (not self.abnormal or self._leaving)):
                 thread.join(0.05)
             if thread.is_alive() and not self.abnormal:
                 logger.warning(
@@ -362,7 +389,22 @@ class Engine:
         """The watchdog's verdict: the engine thread may be stuck in MPI for good."""
         error = PeerFailureError(rank, reason)
         logger.error("%s", error)
-        self._peer_gone = True
+        self._mpi_stuck = "a peer is gone"
+        self._stop(error, abnormal=True)
+
+    def _check_alarm(self) -> None:
+        """Turns a peer's alarm (see :meth:`_leave_mid_cycle`) into this rank's error and
+        acknowledges it. Called by the watchdog thread, or by the engine thread while it
+        waits."""
+        alarm = self.controller.poll_alarm()
+        if alarm is None:
+            return
+        source, notice = alarm
+        self.controller.acknowledge(source)
+        error = notice.error(self.rank)
+        logger.error("%s", error)
+        # This rank's engine thread may be blocked in a collective the sender never joins.
+        self._mpi_stuck = f"rank {source} left a collective unfinished"
         self._stop(error, abnormal=True)
 
     def leave_job(self) -> None:
@@ -373,8 +415,9 @@ class Engine:
         if not self.abnormal or self.size == 1:
             return
         thread = self._thread
-        if self._peer_gone or (thread is not None and thread.is_alive()):
-            self._abort("a peer is gone, so MPI cannot finish")
+        if self._mpi_stuck is not None or (thread is not None and thread.is_alive()):
+            self._abort(f"{self._mpi_stuck or 'the engine thread is stuck'}, so MPI cannot "
+                        "finish")
         elif not self.controller.exit_barrier(self.config.exit_timeout_s):
             self._abort(
                 f"not every rank exited within {self.config.exit_timeout_s:g} s of the "
@@ -506,7 +549,11 @@ class Engine:
         comm = state.comm if state.comm is not None else SelfCommunicator()
         if self.timeline is not None and self.timeline.active:
             self.timeline.queued(response.name, response.op)
-        self._execute([(response, request)], comm)
+        try:
+            self._execute([(response, request)], comm)
+        except Exception as exc:  # noqa: BLE001 - reported through the handle
+            logger.exception("%s failed", response.name)
+            self._finish(request, error=_named(exc, response.name))
 
     # ----------------------------------------------------------------------------------
     # The engine thread
@@ -529,6 +576,10 @@ class Engine:
                 self._let_burst_finish()
                 if not self._cycle():
                     break
+        except _Abandoned:
+            pass
+        except _CollectiveFailure as failure:
+            self._collective_failed(failure)
         except BaseException as exc:  # noqa: BLE001 - the error is handed to every waiter
             self._internal_error(exc)
         finally:
@@ -541,6 +592,8 @@ class Engine:
         logger.exception("the engine stopped after an internal error")
         reason = f"baguahvd engine failed: {describe_exception(exc)}"
         in_step = not self._in_cycle
+        # Mid-cycle, shutdown() waits for the alarm to go out (_leave_mid_cycle).
+        self._leaving = not in_step
         self._stop(PeerFailureError(self.rank, reason), abnormal=True)
         if in_step:
             # Between cycles every rank is at the same point of the protocol: announce the
@@ -548,10 +601,69 @@ class Engine:
             try:
                 self._announce_end(Notice(NoticeKind.FAILURE, self.rank, reason))
                 return
-            except BaseException:  # noqa: BLE001 - falls back to ending the job
-                logger.exception("could not tell the other ranks")
-        self._abort("the engine failed in the middle of a cycle; the other ranks would wait "
-                    "for it forever")
+            except BaseException:  # noqa: BLE001 - falls back to an alarm
+                logger.exception("could not tell the other ranks in a cycle")
+                self._leaving = True
+        self._leave_mid_cycle(reason)
+
+    def _collective_failed(self, failure: _CollectiveFailure) -> None:
+        """A collective raised on this rank while it ran: this rank leaves the protocol (its
+        peers may wait in that collective, or its data communicators are out of step with
+        theirs), and every rank's pending and later collectives raise the error."""
+        self._leaving = True
+        exc = failure.error
+        names = [response.name for response, _ in failure.unit]
+        name = names[0] if len(names) == 1 else f"{names[0]} (fused with {len(names) - 1} more)"
+        logger.error("%s failed on this rank; ending the job", name, exc_info=exc)
+        reason = f"{name}: {describe_exception(exc)}"
+        error = PeerFailureError(self.rank, reason)
+        for _, request in failure.unit:
+            if request is not None and not request.handle.done():
+                # Named failures (an NCCL error or timeout) keep their class for ``except``.
+                self._finish(request, error=exc if isinstance(exc, HorovodInternalError)
+                             else error)
+        self._stop(error, abnormal=True)
+        self._leave_mid_cycle(reason)
+
+    def _leave_mid_cycle(self, reason: str) -> None:
+        """Leaves the protocol in the middle of a cycle, after this rank failed (its engine
+        is stopped already).
+
+        The peers may be blocked in a collective this rank will never join, or will be in
+        the next negotiation, so a notice in the next cycle would never reach them. It goes
+        to each of them as an alarm instead; their watchdog thread picks it up within a
+        tenth of a second, acknowledges it and fails their collectives with
+        ``PeerFailureError(this rank, reason)``. A peer that does not acknowledge within
+        ``exit_timeout_s`` cannot hear it (its engine thread is blocked inside MPI and MPI
+        lets no other thread in: HOROVOD_MPI_THREADS_DISABLE=1; or it is frozen): MPI_Abort
+        then ends the job.
+        """
+        peers = [r for r in range(self.size) if r != self.rank]
+        self.controller.raise_alarm(Notice(NoticeKind.FAILURE, self.rank, reason), peers)
+        deadline = time.monotonic() + self.config.exit_timeout_s
+        missing = set(peers)
+        while True:
+            missing -= self.controller.acknowledged()
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                break
+            # A peer that failed at the same time waits for this rank's acknowledgement.
+            self._check_alarm()
+            time.sleep(0.002)
+        self._abort(
+            f"ranks {sorted(missing)} did not acknowledge this rank's failure within "
+            f"{self.config.exit_timeout_s:g} s (BAGUAHVD_EXIT_TIMEOUT_SECONDS); they are "
+            "blocked in a collective it will not join"
+        )
+
+    def _waiting(self) -> None:
+        """Called while the engine thread waits for the other ranks in a negotiation: gives
+        up once the engine has stopped (a peer's alarm, a lost peer), so the thread ends."""
+        if not self.controller.threads_multiple:
+            self._check_alarm()
+        if self._stopped is not None:
+            raise _Abandoned
 
     def _announce_end(self, notice: Notice) -> None:
         """Runs the announcing half of a cycle with nothing but ``notice`` in it."""
@@ -616,7 +728,7 @@ class Engine:
         )
         # From here until the cycle ends, ranks are in the middle of the same exchange.
         self._in_cycle = True
-        agreed = self.controller.bitwise_and(words)
+        agreed = self.controller.bitwise_and(words, self._waiting)
         span = (capacity + 7) // 8
         flags = int(agreed[-1])
         if not flags & _FLAG_NO_SHUTDOWN:
@@ -658,7 +770,10 @@ class Engine:
                 if own is not None:
                     timeline.queued(response.name, response.op)
         for unit in self._fuse(entries):
-            self._execute_unit(unit)
+            try:
+                self._execute_unit(unit)
+            except Exception as exc:
+                raise _CollectiveFailure(unit, exc) from exc
         self._executing = []
         for response, own in entries[len(entries) - len(negotiated) :]:
             self._remember(response, own)
@@ -836,58 +951,48 @@ class Engine:
         comm: Communicator,
         phase: Callable[[str], None] | None,
     ) -> None:
+        """Runs one unit; raises what the collective raised (the caller decides whether
+        that fails one request or the job)."""
         response = unit[0][0]
         requests = [request for _, request in unit if request is not None]
-        try:
-            if response.error is not None:
-                for request in requests:
-                    self._finish(request, error=MismatchError(response.error))
-                return
-            op = response.op
-            if op == OpType.ALLREDUCE:
-                execute.allreduce(comm, unit, self._buffers, phase)
-                for request in requests:
-                    self._finish(request, request.outputs)
-                return
-            if op == OpType.BARRIER:
-                comm.barrier()
-            elif op == OpType.ADD_PROCESS_SET:
-                ident = self.register_process_set(response.payload)
-                for request in requests:
-                    self._finish(request, None, extra=ident)
-                return
-            elif op == OpType.REMOVE_PROCESS_SET:
-                self._remove_process_set(response.payload[0])
-            elif op == OpType.JOIN:
-                for request in requests:
-                    self._finish(request, None, extra=response.last_joined)
-                return
-            if not requests:
-                return
-            request = requests[0]
-            if op == OpType.ALLGATHER:
-                self._finish(request, execute.allgather(comm, response, request),
-                             extra=response.first_dims)
-            elif op == OpType.BROADCAST:
-                self._finish(request, execute.broadcast(comm, response, request))
-            elif op == OpType.ALLTOALL:
-                outputs, received = execute.alltoall(comm, response, request)
-                self._finish(request, outputs, extra=received)
-            elif op == OpType.REDUCESCATTER:
-                self._finish(request, execute.reducescatter(comm, response, request))
-            else:
-                self._finish(request, None)
-        except Exception as exc:  # noqa: BLE001 - reported through the handles
-            logger.exception("%s failed", response.name)
-            # Named failures (an NCCL error or timeout) keep their class for ``except``.
-            error = (
-                exc
-                if isinstance(exc, HorovodInternalError)
-                else HorovodInternalError(f"{response.name} failed: {exc}")
-            )
+        if response.error is not None:
             for request in requests:
-                if not request.handle.done():
-                    self._finish(request, error=error)
+                self._finish(request, error=MismatchError(response.error))
+            return
+        op = response.op
+        if op == OpType.ALLREDUCE:
+            execute.allreduce(comm, unit, self._buffers, phase)
+            for request in requests:
+                self._finish(request, request.outputs)
+            return
+        if op == OpType.BARRIER:
+            comm.barrier()
+        elif op == OpType.ADD_PROCESS_SET:
+            ident = self.register_process_set(response.payload)
+            for request in requests:
+                self._finish(request, None, extra=ident)
+            return
+        elif op == OpType.REMOVE_PROCESS_SET:
+            self._remove_process_set(response.payload[0])
+        elif op == OpType.JOIN:
+            for request in requests:
+                self._finish(request, None, extra=response.last_joined)
+            return
+        if not requests:
+            return
+        request = requests[0]
+        if op == OpType.ALLGATHER:
+            self._finish(request, execute.allgather(comm, response, request),
+                         extra=response.first_dims)
+        elif op == OpType.BROADCAST:
+            self._finish(request, execute.broadcast(comm, response, request))
+        elif op == OpType.ALLTOALL:
+            outputs, received = execute.alltoall(comm, response, request)
+            self._finish(request, outputs, extra=received)
+        elif op == OpType.REDUCESCATTER:
+            self._finish(request, execute.reducescatter(comm, response, request))
+        else:
+            self._finish(request, None)
 
     def _finish(
         self,
@@ -919,6 +1024,14 @@ class Engine:
         for request in pending:
             if not request.handle.done():
                 request.handle.fail(error)
+
+
+def _named(exc: Exception, name: str) -> HorovodInternalError:
+    """The error a request of a failed collective raises: named failures (an NCCL error or
+    timeout) keep their class for ``except``."""
+    if isinstance(exc, HorovodInternalError):
+        return exc
+    return HorovodInternalError(f"{name} failed: {exc}")
 
 
 def _tighten_timer_slack() -> None:

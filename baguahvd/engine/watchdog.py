@@ -7,6 +7,10 @@ other launchers may not). A daemon thread per rank watches the cycle counter; on
 stood still for a second it checks whether the peers on this node are still alive (by pid
 and process start time, so a reused pid does not fool it), and after ``peer_timeout_s``
 without any progress it gives up on the peers, wherever they run.
+
+The same thread also looks for the alarm of a peer that failed in the middle of a cycle
+(the engine's ``poll`` callback, every tenth of a second): the engine thread may then be
+blocked in a collective that peer will never join, and cannot look itself.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ logger = logging.getLogger("baguahvd.engine")
 
 # A cycle that takes longer than this makes the watchdog look at the peers.
 _STUCK_S = 1.0
-_INTERVAL_S = 0.5
+_INTERVAL_S = 0.1
 
 
 def process_identity() -> list[int]:
@@ -94,6 +98,7 @@ class Watchdog:
         progress: returns a number that changes whenever a cycle completes.
         on_failure: told which rank failed (-1 when unknown) and why.
         timeout_s: seconds without progress before giving up on the peers.
+        poll: called every tick (the engine's alarm check); None for nothing.
     """
 
     def __init__(
@@ -103,6 +108,7 @@ class Watchdog:
         progress: Callable[[], int],
         on_failure: Callable[[int, str], None],
         timeout_s: float,
+        poll: Callable[[], None] | None = None,
     ) -> None:
         mine = identities[rank]
         self._neighbours = [
@@ -113,6 +119,7 @@ class Watchdog:
         self._progress = progress
         self._on_failure = on_failure
         self._timeout_s = timeout_s
+        self._poll = poll
         self._stopping = threading.Event()
         self._thread = threading.Thread(
             target=self._loop, name="baguahvd-watchdog", daemon=True
@@ -128,6 +135,12 @@ class Watchdog:
         last = self._progress()
         since = time.monotonic()
         while not self._stopping.wait(_INTERVAL_S):
+            if self._poll is not None:
+                try:
+                    self._poll()
+                except Exception:  # noqa: BLE001 - a daemon thread has nobody to raise to
+                    logger.exception("the engine watchdog failed to look for alarms")
+                    self._poll = None
             count = self._progress()
             now = time.monotonic()
             if count != last:

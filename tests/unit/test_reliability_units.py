@@ -34,7 +34,7 @@ from baguahvd.engine.notices import Notice, NoticeKind, describe_exception, firs
 from baguahvd.engine.requests import Request
 from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline, algorithm_activity
-from baguahvd.engine.watchdog import is_gone, process_identity
+from baguahvd.engine.watchdog import Watchdog, is_gone, process_identity
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -217,6 +217,51 @@ def _identity_of(pid: int) -> int:
     from baguahvd.engine.watchdog import _start_time
 
     return _start_time(pid)
+
+
+def test_the_watchdog_looks_for_alarms_while_the_engine_makes_progress() -> None:
+    # The engine thread may sit in a collective that a failed peer never joins: only the
+    # watchdog can then pick up that peer's alarm, so it looks every tick, stuck or not.
+    polls: list[float] = []
+    failures: list[tuple[int, str]] = []
+    cycles = iter(range(1_000_000))
+    watchdog = Watchdog(0, [process_identity()], lambda: next(cycles),
+                        lambda rank, why: failures.append((rank, why)), timeout_s=0.0,
+                        poll=lambda: polls.append(time.monotonic()))
+    watchdog.start()
+    deadline = time.monotonic() + 10
+    while len(polls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    watchdog.stop()
+    assert len(polls) >= 3 and not failures
+
+
+def test_a_failing_alarm_check_does_not_stop_the_watchdog(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    calls: list[int] = []
+
+    def broken() -> None:
+        calls.append(1)
+        raise RuntimeError("MPI is gone")
+
+    ticks: list[int] = []
+
+    def progress() -> int:
+        ticks.append(1)
+        return len(ticks)
+
+    watchdog = Watchdog(0, [process_identity()], progress, lambda rank, why: None,
+                        timeout_s=0.0, poll=broken)
+    with caplog.at_level(logging.ERROR, logger="baguahvd.engine"):
+        watchdog.start()
+        deadline = time.monotonic() + 10
+        while len(ticks) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        watchdog.stop()
+    # Looked once, then went on watching the cycles without it.
+    assert calls == [1] and len(ticks) >= 4
+    assert "failed to look for alarms" in caplog.text
 
 
 # ---------------------------------------------------------------------------------------
