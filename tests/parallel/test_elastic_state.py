@@ -170,3 +170,24 @@ def test_run_resumes_and_calls_reset_callbacks(rank: int, elastic_dir: str) -> N
 
     assert second(fresh, 1) == 42
     assert calls == [hvd.size()]
+
+
+def test_host_change_without_launcher_resets_in_place(rank: int, size: int) -> None:
+    state = _state(rank)
+    resets: list[int] = []
+    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+    calls: list[int] = []
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> int:
+        calls.append(state.epoch)
+        if len(calls) == 1:
+            state.epoch = 7
+            if hvd.rank() == 0:
+                state.on_hosts_updated(2.0, hvd.elastic.state.HostUpdateResult.added)
+            state.commit()  # raises HostsUpdatedInterrupt on every rank
+        return hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum, name="after_reset").item()
+
+    assert train(state) == size
+    assert calls == [0, 7] and resets == [size]
+    assert hvd.is_initialized()
