@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+import baguahvd.algorithms as hvd_algorithms
 import baguahvd.torch as hvd
 from baguahvd.common.basics import runtime
 from baguahvd.common.exceptions import HostsUpdatedInterrupt
@@ -191,3 +192,30 @@ def test_host_change_without_launcher_resets_in_place(rank: int, size: int) -> N
     assert train(state) == size
     assert calls == [0, 7] and resets == [size]
     assert hvd.is_initialized()
+
+
+def test_commit_pauses_background_averaging(rank: int) -> None:
+    model = _model(rank)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01),
+        named_parameters=model.named_parameters(),
+        algorithm=hvd_algorithms.AsyncModelAverageAlgorithm(sync_interval_ms=1, warmup_steps=0),
+    )
+    state = hvd.elastic.TorchState(model, optimizer)
+    for step in range(3):
+        _train_step(model, optimizer, step)
+    impl = optimizer.algorithm_impl
+    assert impl.running
+    stops: list[bool] = []
+    real_abort = impl.abort
+
+    def watched_abort() -> None:
+        real_abort()
+        stops.append(impl.running)
+
+    impl.abort = watched_abort
+    state.commit()
+    assert stops == [False]  # the copy was taken with averaging stopped
+    assert impl.running  # and averaging goes on afterwards
+    impl.abort = real_abort
+    impl.abort()

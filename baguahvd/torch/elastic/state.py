@@ -195,9 +195,18 @@ class TorchState(ObjectState):
         super().__setattr__(name, value)
 
     def save(self) -> None:
-        for handler in self._handlers.values():
-            handler.save()
-        super().save()
+        # Weights that an algorithm averages in the background (async) would be copied
+        # half-updated: stop the averaging for the copy. Collective, like commit().
+        paused = [impl for impl in self._background_algorithms() if impl.running]
+        for impl in paused:
+            impl.abort()
+        try:
+            for handler in self._handlers.values():
+                handler.save()
+            super().save()
+        finally:
+            for impl in paused:
+                impl.resume()
 
     def restore(self) -> None:
         for handler in self._handlers.values():
@@ -209,6 +218,14 @@ class TorchState(ObjectState):
             handler.sync()
             handler.save()
         super().sync()
+
+    def _background_algorithms(self) -> list[Any]:
+        found = []
+        for handler in self._handlers.values():
+            impl = getattr(handler.value, "algorithm_impl", None)
+            if impl is not None and hasattr(impl, "running"):
+                found.append(impl)
+        return found
 
     def reset(self) -> None:
         """Re-splits the samplers over the current ranks."""
