@@ -192,9 +192,13 @@ class GradientAlgorithmImpl(AlgorithmImpl):
 
 
 def bucket_name(algorithm: Algorithm, bucket: Bucket, part: str = "") -> str:
-    """Stable collective name of a bucket (the same on every rank)."""
+    """Stable collective name of a bucket (the same on every rank).
+
+    The bucket's first parameter is part of the name, so that the buckets of optimizers
+    over different parameters (two models trained by one loss) never share a name.
+    """
     suffix = f".{part}" if part else ""
-    return f"bagua.{algorithm.name}.bucket{bucket.index}{suffix}"
+    return f"bagua.{algorithm.name}.bucket{bucket.index}:{bucket.names[0]}{suffix}"
 
 
 def check_positive(name: str, value: float, allow_zero: bool = False) -> None:

@@ -15,7 +15,10 @@ from tests.reference.bytegrad_sim import simulate_bytegrad
 def _model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(12, 40), torch.nn.Tanh(), torch.nn.Linear(40, 40), torch.nn.Tanh(),
+        torch.nn.Linear(12, 40),
+        torch.nn.Tanh(),
+        torch.nn.Linear(40, 40),
+        torch.nn.Tanh(),
         torch.nn.Linear(40, 3),
     )
 
@@ -60,7 +63,8 @@ def test_gradient_allreduce_matches_full_batch_sgd(rank: int, size: int, hierarc
 def test_gradient_allreduce_sum(rank: int, size: int):
     model = _model()
     optimizer = make_algorithm_optimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model.named_parameters(),
         GradientAllReduceAlgorithm(hierarchical=False, average=False),
     )
     expected = [sum(gs) for gs in zip(*(_local_grads(_model(), r) for r in range(size)))]
@@ -75,7 +79,8 @@ def test_gradient_allreduce_sum(rank: int, size: int):
 def test_bytegrad_gradients_equal_the_simulation_bit_for_bit(rank: int, size: int):
     model = _model()
     optimizer = make_algorithm_optimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model.named_parameters(),
         ByteGradAlgorithm(hierarchical=False),
     )
     per_rank = [_local_grads(_model(), r) for r in range(size)]
@@ -91,8 +96,9 @@ def test_bytegrad_gradients_equal_the_simulation_bit_for_bit(rank: int, size: in
         flats = []
         for grads in per_rank:
             flat = torch.zeros_like(bucket.flat)
-            torch.cat([grads[index[id(p)]].reshape(-1) for p in bucket.params], out=flat[
-                : bucket.numel])
+            torch.cat(
+                [grads[index[id(p)]].reshape(-1) for p in bucket.params], out=flat[: bucket.numel]
+            )
             flats.append(flat)
         expected = simulate_bytegrad(flats)
         got = torch.cat([p.grad.reshape(-1) for p in bucket.params])
@@ -135,3 +141,29 @@ def test_bad_hyperparameters_are_named():
         ByteGradAlgorithm(hierarchical="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="average"):
         GradientAllReduceAlgorithm(average=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "bytegrad"])
+def test_two_models_trained_by_one_loss(rank: int, size: int, algorithm: str) -> None:
+    # Both optimizers' buckets are in flight at once; their names must not collide.
+    first, second = _model(1), _model(2)
+    optimizers = [
+        hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=[(f"{tag}.{n}", p) for n, p in model.named_parameters()],
+            algorithm=algorithm,
+        )
+        for tag, model in (("first", first), ("second", second))
+    ]
+    for step in range(3):
+        x, y = _batch(rank + 10 * step)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(first(x), y) + second(x).pow(2).mean()
+        loss.backward()
+        for optimizer in optimizers:
+            optimizer.step()
+    for index, model in enumerate((first, second)):
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = hvd.allgather(flat.unsqueeze(0), name=f"two_models.check.{index}")
+        assert all(torch.equal(gathered[0], row) for row in gathered)
