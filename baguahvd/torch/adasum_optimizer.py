@@ -23,9 +23,10 @@ import torch
 from baguahvd.common.ops import Adasum
 from baguahvd.common.process_sets import ProcessSet
 from baguahvd.torch.mpi_ops import allreduce_async_, synchronize
+from baguahvd.torch.optimizer_protocol import ZERO_GRAD_RACE, SynchronizeProtocol
 
 
-class _DistributedAdasumOptimizer(torch.optim.Optimizer):
+class _DistributedAdasumOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class (see the factory)."""
 
     def __init__(
@@ -39,10 +40,9 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)  # type: ignore[misc,call-arg]
         self._compression = compression
         self._parameter_names: dict[torch.Tensor, str] = {p: name for name, p in named}
-        self.backward_passes_per_step = backward_passes_per_step
+        self._init_protocol((p for _, p in named), backward_passes_per_step)
         self.op = Adasum
         self.process_set = process_set
-        self._allreduce_delay = {p: backward_passes_per_step for _, p in named}
         self._handles: dict[torch.Tensor, tuple[Any, Any]] = {}
         self._starting_models: dict[torch.Tensor, torch.Tensor] = {}
         self._requires_update: list[torch.Tensor] = []
@@ -58,13 +58,7 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if self._allreduce_delay[p] <= 0:
-            raise AssertionError(
-                "Gradients were computed more than backward_passes_per_step times before call "
-                "to step(). Increase backward_passes_per_step to accumulate gradients locally."
-            )
-        self._allreduce_delay[p] -= 1
-        if self._allreduce_delay[p] == 0:
+        if self._count_pass(p):
             self._handles[p] = self._allreduce_delta_async(p)
 
     def _allreduce_delta_async(self, p: torch.Tensor) -> tuple[Any, Any]:
@@ -110,16 +104,12 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
                 start = self._starting_models[p]
                 start.add_(delta.view_as(start).to(start.dtype))
                 p.copy_(start)
-                self._allreduce_delay[p] = self.backward_passes_per_step
+        self._reset_count(self._handles)
         self._handles.clear()
         return loss
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         if self._handles:
-            raise AssertionError(
-                "optimizer.zero_grad() was called after loss.backward() but before "
-                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can cause "
-                "a race condition."
-            )
+            raise AssertionError(ZERO_GRAD_RACE)
         # Gradients stay allocated: the per-parameter step needs them.
         super(self.__class__, self).zero_grad(set_to_none=False)  # type: ignore[misc]

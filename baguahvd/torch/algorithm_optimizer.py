@@ -10,9 +10,6 @@ communication (``synchronize``), run or replace the optimizer step (``step``) an
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -21,9 +18,14 @@ from baguahvd.algorithms import Algorithm, AlgorithmContext
 from baguahvd.algorithms.base import DEFAULT_BUCKET_BYTES
 from baguahvd.common.basics import runtime
 from baguahvd.common.process_sets import ProcessSet
+from baguahvd.torch.optimizer_protocol import (
+    ZERO_GRAD_RACE,
+    SynchronizeProtocol,
+    optimizer_subclass,
+)
 
 
-class _AlgorithmOptimizer(torch.optim.Optimizer):
+class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class (see the factory)."""
 
     def __init__(
@@ -36,11 +38,7 @@ class _AlgorithmOptimizer(torch.optim.Optimizer):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         super(self.__class__, self).__init__(params)  # type: ignore[misc,call-arg]
-        from baguahvd.torch.optimizer import _STEP_AFTER_SYNC, _TOO_MANY_PASSES, _ZERO_GRAD_RACE
-
-        self._messages = (_STEP_AFTER_SYNC, _TOO_MANY_PASSES, _ZERO_GRAD_RACE)
         self._parameter_names: dict[torch.Tensor, str] = {p: name for name, p in named}
-        self.backward_passes_per_step = backward_passes_per_step
         self.process_set = process_set
         self.algorithm = algorithm
         order = {id(p): i for i, (_, p) in enumerate(named)}
@@ -51,9 +49,7 @@ class _AlgorithmOptimizer(torch.optim.Optimizer):
             if p.requires_grad
         ]
         trainable.sort(key=lambda item: order[id(item[1])])
-        self._countdown = {p: backward_passes_per_step for _, p in trainable}
-        self._synchronized = False
-        self._should_synchronize = True
+        self._init_protocol((p for _, p in trainable), backward_passes_per_step)
         self._hook_handles: list[Any] = []
         self._impl = None
         elastic = bool(runtime.config is not None and runtime.config.elastic)
@@ -71,35 +67,18 @@ class _AlgorithmOptimizer(torch.optim.Optimizer):
         return self._impl
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if self._countdown[p] <= 0:
-            raise AssertionError(self._messages[1])
-        self._countdown[p] -= 1
-        if self._countdown[p] == 0 and self._impl is not None:
+        if self._count_pass(p) and self._impl is not None:
             self._impl.on_backward(p)
 
     def synchronize(self) -> None:
         """Finishes this step's communication (results land in ``.grad`` or the weights)."""
         if self._impl is not None:
             self._impl.synchronize()
-        for p in self._countdown:
-            self._countdown[p] = self.backward_passes_per_step
+        self._reset_count()
         self._synchronized = True
 
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Inside this block ``step()`` does not synchronize (call ``synchronize()`` first)."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
     def step(self, closure: Any = None) -> Any:
-        if self._should_synchronize:
-            if self._synchronized:
-                warnings.warn(self._messages[0], stacklevel=2)
-            self.synchronize()
-        self._synchronized = False
+        self._synchronize_for_step()
         base_step = super(self.__class__, self).step  # type: ignore[misc]
         if self._impl is None:
             return base_step(closure)
@@ -108,18 +87,9 @@ class _AlgorithmOptimizer(torch.optim.Optimizer):
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        started = any(
-            count != self.backward_passes_per_step for count in self._countdown.values()
-        )
-        if started and not self._synchronized:
-            raise AssertionError(self._messages[2])
+        if self._passes_started() and not self._synchronized:
+            raise AssertionError(ZERO_GRAD_RACE)
         return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Changes how many backward passes are accumulated locally per communication."""
-        self.backward_passes_per_step = passes
-        for p in self._countdown:
-            self._countdown[p] = passes
 
     def close(self) -> None:
         """Stops the algorithm's background work (also done at hvd.shutdown())."""
@@ -146,11 +116,7 @@ def make_algorithm_optimizer(
 
     resolved = resolve(algorithm)
     named = _check_named_parameters(named_parameters, optimizer.param_groups)
-    cls = type(
-        optimizer.__class__.__name__,
-        (optimizer.__class__,),
-        dict(_AlgorithmOptimizer.__dict__),
-    )
+    cls = optimizer_subclass(optimizer, _AlgorithmOptimizer)
     bucket_bytes = runtime.config.bucket_bytes if runtime.config is not None else None
     return cls(  # type: ignore[no-any-return]
         optimizer.param_groups,

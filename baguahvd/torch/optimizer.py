@@ -7,10 +7,9 @@ post-accumulate-grad hook), so communication overlaps the rest of the backward p
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -25,25 +24,16 @@ from baguahvd.torch.mpi_ops import (
     sparse_allreduce_async,
     synchronize,
 )
+from baguahvd.torch.optimizer_protocol import (
+    ZERO_GRAD_RACE,
+    SynchronizeProtocol,
+    optimizer_subclass,
+)
 
-_TOO_MANY_PASSES = (
-    "Gradients were computed more than backward_passes_per_step times before call to step(). "
-    "Increase backward_passes_per_step to accumulate gradients locally."
-)
-_ZERO_GRAD_RACE = (
-    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
-)
-_STEP_AFTER_SYNC = (
-    "optimizer.step() called without optimizer.skip_synchronize() context after "
-    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
-    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
-    "code."
-)
 _HOOK_ATTRIBUTE = "_baguahvd_allreduce_hook"
 
 
-class _DistributedOptimizer(torch.optim.Optimizer):
+class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class (see the factory)."""
 
     def __init__(
@@ -62,8 +52,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._compression = compression
         named = _check_named_parameters(named_parameters, self.param_groups)
         self._parameter_names: dict[torch.Tensor, str] = {p: name for name, p in named}
-        self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {p: backward_passes_per_step for _, p in named}
+        self._init_protocol((p for _, p in named), backward_passes_per_step)
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
@@ -71,8 +60,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._handles: dict[Any, tuple[Any, Any]] = {}
         self._hook_handles: list[Any] = []
         self._requires_update: set[torch.Tensor] = set()
-        self._synchronized = False
-        self._should_synchronize = True
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         self._groups = _resolve_groups(groups, trainable, self._parameter_names, process_set)
         self._group_of: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {
@@ -103,10 +90,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _on_gradient(self, p: torch.Tensor) -> None:
         # The countdown reaches zero exactly when this gradient has been handed to an
         # allreduce (or to its group); it is reset only by synchronize().
-        if self._allreduce_delay[p] <= 0:
-            raise AssertionError(_TOO_MANY_PASSES)
-        self._allreduce_delay[p] -= 1
-        if self._allreduce_delay[p] > 0:
+        if not self._count_pass(p):
             return
         group = self._group_of.get(p)
         if group is None:
@@ -194,14 +178,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 contexts, _ = ctx
                 for p, output, c in zip(key, outputs, contexts):
                     self._write_grad(p, self._compression.decompress(output, c))
-                    self._allreduce_delay[p] = self.backward_passes_per_step
+                self._reset_count(key)
                 continue
             if ctx == "sparse":
                 self._write_grad(key, handle())
             else:
                 output = synchronize(handle)
                 self._write_grad(key, self._compression.decompress(output, ctx[0]))
-            self._allreduce_delay[key] = self.backward_passes_per_step
+            self._reset_count((key,))
         self._handles.clear()
         self._group_ready.clear()
         self._synchronized = True
@@ -217,46 +201,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         elif value.data_ptr() != p.grad.data_ptr():
             p.grad.copy_(value.to(p.grad.dtype).view_as(p.grad))
 
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Inside this block ``step()`` does not synchronize; use it after calling
-        ``synchronize()`` yourself (e.g. to clip gradients)."""
-        self._should_synchronize = False
-        try:
-            yield
-        finally:
-            self._should_synchronize = True
-
     def step(self, closure: Any = None) -> Any:
-        if self._should_synchronize:
-            if self._synchronized:
-                warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
-            self.synchronize()
-        self._synchronized = False
+        self._synchronize_for_step()
         return super(self.__class__, self).step(closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Like Horovod, also refuse while gradients are half accumulated (fewer backward
         # passes than backward_passes_per_step): zeroing them would desynchronise the
         # countdowns from the gradients.
-        if self._handles or self._group_ready or any(
-            delay != self.backward_passes_per_step for delay in self._allreduce_delay.values()
-        ):
-            raise AssertionError(_ZERO_GRAD_RACE)
+        if self._handles or self._group_ready or self._passes_started():
+            raise AssertionError(ZERO_GRAD_RACE)
         return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Changes how many backward passes are accumulated locally before an allreduce."""
-        self.backward_passes_per_step = passes
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = passes
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._handles.clear()
         self._group_ready.clear()
         self._synchronized = False
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+        self._reset_count()
         super(self.__class__, self).load_state_dict(state_dict)  # type: ignore[misc]
 
 
@@ -272,9 +233,9 @@ def _make_hook(owner: weakref.ref[Any]) -> Any:
     return hook
 
 
-def _check_named_parameters(named_parameters: Any, param_groups: list[dict[str, Any]]) -> list[
-    tuple[str, torch.Tensor]
-]:
+def _check_named_parameters(
+    named_parameters: Any, param_groups: list[dict[str, Any]]
+) -> list[tuple[str, torch.Tensor]]:
     if named_parameters is None:
         return [
             (f"allreduce.noname.{i}.{j}", p)
@@ -329,7 +290,9 @@ def _resolve_groups(
             # even if the ranks listed their parameters in different orders.
             root = process_set.ranks[0] if process_set.ranks else 0
             order = broadcast_object(
-                [names[p] for p in params], root, name="optimizer.groups",
+                [names[p] for p in params],
+                root,
+                name="optimizer.groups",
                 process_set=process_set,
             )
             position = {name: index for index, name in enumerate(order)}
@@ -438,11 +401,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
             raise NotImplementedError(
                 "Running Adasum with non-power of 2 ranks is not supported yet."
             )
-        adasum_cls = type(
-            optimizer.__class__.__name__,
-            (optimizer.__class__,),
-            dict(_DistributedAdasumOptimizer.__dict__),
-        )
+        adasum_cls = optimizer_subclass(optimizer, _DistributedAdasumOptimizer)
         return adasum_cls(  # type: ignore[no-any-return]
             optimizer.param_groups,
             _check_named_parameters(named_parameters, optimizer.param_groups),
@@ -450,11 +409,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
             backward_passes_per_step,
             process_set,
         )
-    cls = type(
-        optimizer.__class__.__name__,
-        (optimizer.__class__,),
-        dict(_DistributedOptimizer.__dict__),
-    )
+    cls = optimizer_subclass(optimizer, _DistributedOptimizer)
     return cls(  # type: ignore[no-any-return]
         optimizer.param_groups,
         named_parameters,

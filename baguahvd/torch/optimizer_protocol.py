@@ -1,0 +1,106 @@
+"""What the DistributedOptimizer variants share: Horovod's error messages, the countdown of
+backward passes per parameter, the ``synchronize()``/``step()`` protocol, and the subclass
+of the user's optimizer class that each factory builds."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+TOO_MANY_PASSES = (
+    "Gradients were computed more than backward_passes_per_step times before call to step(). "
+    "Increase backward_passes_per_step to accumulate gradients locally."
+)
+ZERO_GRAD_RACE = (
+    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
+)
+STEP_AFTER_SYNC = (
+    "optimizer.step() called without optimizer.skip_synchronize() context after "
+    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
+    "code."
+)
+
+
+class SynchronizeProtocol:
+    """Horovod's contract between hooks, ``synchronize()``, ``step()`` and ``zero_grad()``.
+
+    Each parameter counts down from ``backward_passes_per_step``; its gradient is
+    communicated when the count reaches zero, and ``synchronize()`` resets it. ``step()``
+    synchronizes first unless inside ``skip_synchronize()``.
+    """
+
+    backward_passes_per_step: int
+    _allreduce_delay: dict[torch.Tensor, int]
+    _synchronized: bool
+    _should_synchronize: bool
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+    def _init_protocol(self, params: Iterable[torch.Tensor], passes: int) -> None:
+        self.backward_passes_per_step = passes
+        self._allreduce_delay = {p: passes for p in params}
+        self._synchronized = False
+        self._should_synchronize = True
+
+    def _count_pass(self, p: torch.Tensor) -> bool:
+        """Counts one backward pass of ``p``; True when its gradient is due."""
+        if self._allreduce_delay[p] <= 0:
+            raise AssertionError(TOO_MANY_PASSES)
+        self._allreduce_delay[p] -= 1
+        return self._allreduce_delay[p] == 0
+
+    def _reset_count(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        for p in self._allreduce_delay if params is None else params:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+
+    def _passes_started(self) -> bool:
+        """Whether some gradient is accumulated but not yet communicated."""
+        return any(
+            count != self.backward_passes_per_step for count in self._allreduce_delay.values()
+        )
+
+    def _synchronize_for_step(self) -> None:
+        """The start of ``step()``: synchronize unless told not to."""
+        if self._should_synchronize:
+            if self._synchronized:
+                # Points at the user's step() call, past torch's own wrapper of step().
+                warnings.warn(STEP_AFTER_SYNC, stacklevel=4)
+            self.synchronize()
+        self._synchronized = False
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this block ``step()`` does not synchronize; use it after calling
+        ``synchronize()`` yourself (e.g. to clip gradients)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Changes how many backward passes are accumulated locally per communication."""
+        self.backward_passes_per_step = passes
+        self._reset_count()
+
+
+def optimizer_subclass(optimizer: torch.optim.Optimizer, methods: type) -> type:
+    """A subclass of ``type(optimizer)``, with the same name, holding the methods of
+    ``methods`` and of its bases up to ``torch.optim.Optimizer``."""
+    namespace: dict[str, Any] = {}
+    for klass in reversed(methods.__mro__):
+        if klass in torch.optim.Optimizer.__mro__:
+            continue
+        namespace.update(
+            (key, value)
+            for key, value in vars(klass).items()
+            if key not in ("__dict__", "__weakref__")
+        )
+    return type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
