@@ -11,7 +11,9 @@ Methodology and measured results: benchmarks/README.md.
 Every algorithm trains the same MLP (1024-2048-2048-1024-10, 8.4 M fp32 parameters, 33.6 MB
 = 32.1 MiB of gradients) with Adam on a fixed synthetic batch, through
 ``hvd.DistributedOptimizer``: Horovod's default path (``algorithm=None``), ``op=hvd.Adasum``,
-and each Bagua algorithm under its registered name with Bagua's defaults (``hierarchical=True``
+PyTorch's own ``DistributedDataParallel`` over gloo (the ``ddp`` row: the same model and Adam,
+gradients bucketed and allreduced by gloo during backward), and each Bagua algorithm under its
+registered name with Bagua's defaults (``hierarchical=True``
 where Bagua has it; with one rank per host that is the same traffic as flat). ``qadam`` wraps a
 ``QAdamOptimizer`` whose warmup ends inside the benchmark's warmup, so the timed steps are the
 compressed stage; ``async`` keeps its default ``sync_interval_ms=500`` and is timed for at
@@ -56,7 +58,7 @@ from typing import Any
 
 MODEL_DIMS = (1024, 2048, 2048, 1024, 10)
 DEFAULT_ALGORITHMS = (
-    "local", "horovod", "gradient_allreduce", "bytegrad", "decentralized",
+    "local", "horovod", "ddp", "gradient_allreduce", "bytegrad", "decentralized",
     "low_precision_decentralized", "async", "qadam", "adasum",
 )
 try:  # optional reference: real Horovod, when installed
@@ -166,6 +168,8 @@ def describe(spec: str, qadam_warmup: int) -> str:
         return "DistributedOptimizer(opt) (Horovod's allreduce path, algorithm=None)"
     if name == "horovod_real":
         return "horovod.torch.DistributedOptimizer(opt) (Horovod itself)"
+    if name == "ddp":
+        return "torch.nn.parallel.DistributedDataParallel over gloo (PyTorch's own), plain Adam"
     if name == "adasum":
         return "DistributedOptimizer(opt, op=hvd.Adasum)"
     if name == "qadam":
@@ -194,7 +198,7 @@ def make_optimizer(spec: str, model: Any, hvd: Any, args: argparse.Namespace) ->
         return hvd.DistributedOptimizer(qadam, named_parameters=named,
                                         algorithm=alg.QAdamAlgorithm(hierarchical=not flat))
     base = torch.optim.Adam(model.parameters(), lr=args.lr)
-    if name == "local":
+    if name in ("local", "ddp"):
         return base
     if name == "horovod":
         return hvd.DistributedOptimizer(base, named_parameters=named, algorithm=None)
@@ -215,11 +219,39 @@ def make_optimizer(spec: str, model: Any, hvd: Any, args: argparse.Namespace) ->
     return hvd.DistributedOptimizer(base, named_parameters=named, algorithm=name)
 
 
+def start_gloo(comm: Any) -> None:
+    """Starts torch.distributed (gloo) on the MPI job's ranks, for the ``ddp`` row. On the
+    emulated cluster (EMU_NET_IF set) gloo is held to the shaped link, like MPI."""
+    import subprocess
+
+    import torch.distributed as dist
+
+    interface = os.environ.get("EMU_NET_IF")
+    if interface:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    address = None
+    if comm.Get_rank() == 0:
+        host = socket.gethostname()
+        if interface:
+            shown = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", interface],
+                                   capture_output=True, text=True, check=True).stdout
+            host = shown.split(" inet ", 1)[1].split("/", 1)[0]
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            address = f"tcp://{host}:{probe.getsockname()[1]}"
+    address = comm.bcast(address, root=0)
+    dist.init_process_group("gloo", init_method=address, rank=comm.Get_rank(),
+                            world_size=comm.Get_size())
+
+
 def run_one(spec: str, hvd: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Warmup, timed steps; this rank's step times and byte counts."""
     import torch
 
     model = build_model()
+    if spec == "ddp":
+        # PyTorch's own data parallelism: gradient buckets allreduced by gloo during backward.
+        model = torch.nn.parallel.DistributedDataParallel(model)
     opt = make_optimizer(spec, model, hvd, args)
     generator = torch.Generator().manual_seed(1 + hvd.rank())
     data = torch.randn(args.batch_size, MODEL_DIMS[0], generator=generator)
@@ -260,7 +292,8 @@ def run_one(spec: str, hvd: Any, args: argparse.Namespace) -> dict[str, Any]:
         "steps": steps,
         "window_s": window,
         "cpu_per_step": cpu / steps,
-        "counted_per_step": (counted1 - counted0) / steps,
+        # gloo's traffic passes none of baguahvd's backends: the interface counters only.
+        "counted_per_step": None if spec == "ddp" else (counted1 - counted0) / steps,
         "tx_per_step": None if tx0 is None or tx1 is None else (tx1 - tx0) / steps,
         "async_rounds": rounds,
     }
@@ -360,8 +393,8 @@ def summarize(spec: str, rounds: list[list[dict[str, Any]]],
         "step_s": max(medians),
         "rank_medians_s": medians,
         "steps": min(steps),
-        "counted_per_step": statistics.fmean(per_step("counted_per_step", k) or 0.0
-                                             for k in ranks),
+        "counted_per_step": None if spec == "ddp" else statistics.fmean(
+            per_step("counted_per_step", k) or 0.0 for k in ranks),
         "cpu_per_step": statistics.fmean(per_step("cpu_per_step", k) or 0.0 for k in ranks),
         "tx_per_step": None if None in tx else statistics.fmean(
             x for x in tx if x is not None),
@@ -399,6 +432,9 @@ def bench(args: argparse.Namespace) -> None:
               f"{params * 4 / 1e6:.1f} MB of fp32 gradients; batch {args.batch_size}; "
               f"warmup {args.warmup}, timed steps {args.steps}, rounds {args.repeats}",
               flush=True)
+
+    if "ddp" in specs:
+        start_gloo(comm)
 
     load_before = os.getloadavg()
     # Rounds over all algorithms (every other round in reverse order), so that a change of
@@ -580,6 +616,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algorithms", nargs="+", default=list(DEFAULT_ALGORITHMS),
                         help="local (no communication), horovod (algorithm=None), adasum, "
+                             "ddp (torch DistributedDataParallel over gloo), "
                              "horovod_real (Horovod itself, added when importable) or "
                              "registered algorithm names (name:flat for hierarchical=False)")
     parser.add_argument("--flat", dest="flat", action="store_true", default=None,
