@@ -7,6 +7,7 @@ same in its ``HorovodGlobalState``); the public functions are its bound methods.
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import sys
 import threading
@@ -39,18 +40,19 @@ _INIT_FAILED = (
 
 
 class HandleTable:
-    """Maps the integer handles users hold to engine handles and result builders."""
+    """Maps the integer handles users hold to engine handles and result builders.
+
+    Used from any user thread without a lock: each operation is one call on a counter or a
+    dict, which the interpreter runs atomically.
+    """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._next = 0
+        self._numbers = itertools.count()
         self._entries: dict[int, tuple[Handle, Callable[[Handle], Any]]] = {}
 
     def add(self, handle: Handle, finish: Callable[[Handle], Any]) -> int:
-        with self._lock:
-            number = self._next
-            self._next += 1
-            self._entries[number] = (handle, finish)
+        number = next(self._numbers)
+        self._entries[number] = (handle, finish)
         return number
 
     def get(self, number: int) -> Handle | None:
@@ -58,12 +60,10 @@ class HandleTable:
         return None if entry is None else entry[0]
 
     def pop(self, number: int) -> tuple[Handle, Callable[[Handle], Any]] | None:
-        with self._lock:
-            return self._entries.pop(number, None)
+        return self._entries.pop(number, None)
 
     def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
+        self._entries.clear()
 
 
 class Runtime:

@@ -69,7 +69,9 @@ class Config:
     """Bytes of the allreduce fusion buffer (HOROVOD_FUSION_THRESHOLD); 0 disables fusion."""
     cycle_time_ms: float = 1.0
     """Longest wait between negotiation cycles in milliseconds (HOROVOD_CYCLE_TIME). A cycle
-    also starts as soon as a request is submitted, so this bounds idle latency only."""
+    also starts as soon as the thread that submits requests waits for one or pauses for half
+    a millisecond, so this bounds idle latency; a longer burst of submissions is negotiated
+    after five cycle times at the latest."""
     cache_capacity: int = 1024
     """Entries of the response cache (HOROVOD_CACHE_CAPACITY); 0 disables it."""
     timeline: str | None = None

@@ -89,6 +89,17 @@ class ResponseCache:
     def touch(self, slot: int) -> None:
         self._recent.move_to_end(slot)
 
+    def take(self, slots: list[int]) -> list[Response]:
+        """The responses of ``slots``, each marked as used now (:meth:`response` and
+        :meth:`touch` for a whole cycle's hits)."""
+        entries = self._entries
+        recent = self._recent.move_to_end
+        responses = []
+        for slot in slots:
+            responses.append(entries[slot].response)
+            recent(slot)
+        return responses
+
     def evict(self, slot: int) -> None:
         entry = self._entries.pop(slot, None)
         if entry is None:

@@ -10,7 +10,8 @@ User threads call :meth:`Engine.submit`, which queues a :class:`Request` and ret
 3. fuses ready allreduces with the same dtype, op, factors and process set into buffers of up
    to ``fusion_threshold`` bytes, runs everything in the agreed order and completes handles.
 
-A cycle starts as soon as a request is submitted, or after ``cycle_time_ms`` otherwise.
+A cycle starts once the thread that submits requests waits for one of them or pauses (see
+``Engine._let_burst_finish``), or after ``cycle_time_ms`` otherwise.
 Process sets with a single member never leave the calling thread.
 
 Nothing waits forever. A rank that shuts down, fails (an uncaught exception, a broken
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import sys
 import threading
@@ -75,9 +77,11 @@ logger = logging.getLogger("baguahvd.engine")
 
 GLOBAL_PROCESS_SET_ID = 0
 _JOIN_KEY = "join"
-# Requests closer together than this belong to one burst (see _let_burst_finish).
-_BURST_GAP_S = 2e-4
-_ISOLATED_QUIET_S = 1e-5
+# A burst of submissions is over once its thread has submitted nothing for this long
+# (see _let_burst_finish) ...
+_QUIET_S = 5e-4
+# ... or this many cycle times after it began, whichever comes first.
+_BURST_CYCLES = 5
 # Flag bits of the last byte of the negotiation vector; a cleared bit means "yes".
 _FLAG_NOTHING_TO_SEND = 1
 _FLAG_NO_SHUTDOWN = 2
@@ -110,6 +114,11 @@ class ProcessSetState:
 
     def includes(self, rank: int) -> bool:
         return rank in self.ranks
+
+    @property
+    def member(self) -> bool:
+        """Whether this rank belongs to the set (only members hold a communicator)."""
+        return self.comm is not None
 
     def set_rank(self, rank: int) -> int:
         return self.ranks.index(rank)
@@ -232,11 +241,12 @@ class Engine:
         self._next_process_set_id = 1
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._flush = threading.Event()
+        """Set when a thread blocks on a handle: the burst being submitted is over."""
         self._queue: list[Request] = []
         self._inflight: set[tuple[int, str]] = set()
         self._noname: dict[int, int] = {}
         self._last_arrival = 0.0
-        self._arrival_gap = 1.0
         self._notice: Notice | None = None
         """This rank's announcement of the end of the job, sent in the next cycle."""
         self._stopped: BaseException | None = None
@@ -375,6 +385,7 @@ class Engine:
                 kind = NoticeKind.SHUTDOWN if failure is None else NoticeKind.FAILURE
                 self._notice = Notice(kind, self.rank, failure or "")
         self._wake.set()
+        self._flush.set()
 
     def _stop(self, error: BaseException, abnormal: bool = False) -> None:
         """Fails every pending and later request with ``error`` (the first error wins)."""
@@ -482,63 +493,72 @@ class Engine:
             root: broadcast root as a rank of the process set.
             splits: alltoall splits (dim-0 slices per member).
         """
-        if self._stopped is not None:
-            raise self._stopped
+        stopped = self._stopped
+        if stopped is not None:
+            raise stopped
         state = self.process_sets.get(process_set_id)
-        title = label.split("_")[-1].capitalize() if label.startswith("grouped") else (
-            label.capitalize()
-        )
-        if state is None:
-            raise ProcessSetError(
-                f"{title}: Process set provided does not exist, or has not been registered."
-            )
-        if not state.includes(self.rank):
-            raise ProcessSetError(
-                f"{title}: Rank {self.rank} is not a member of the provided process set."
-            )
-        with self._lock:
-            if op == OpType.JOIN:
-                key = display = _JOIN_KEY
-            elif name is None:
+        if state is None or not state.member:
+            raise ProcessSetError(_not_member_message(label, state, self.rank))
+        if name is not None and op != OpType.JOIN:
+            key = display = f"{label}.{name}"
+        elif op == OpType.JOIN:
+            key = display = _JOIN_KEY
+        else:
+            with self._lock:
                 count = self._noname.get(process_set_id, 0)
                 self._noname[process_set_id] = count + 1
-                key = f"noname.{count}"
-                display = f"{label}.noname.{count}"
-            else:
-                key = display = f"{label}.{name}"
-            ident = (process_set_id, key)
-            if ident in self._inflight:
-                raise DuplicateNameError(display)
-        first = inputs[0] if inputs else None
+            key = f"noname.{count}"
+            display = f"{label}.noname.{count}"
+        if inputs:
+            first = inputs[0]
+            dtype = _DTYPE_NAMES.get(first.dtype) or execute.dtype_name(first.dtype)
+            shapes = (tuple(first.shape),) if len(inputs) == 1 else tuple(
+                tuple(t.shape) for t in inputs
+            )
+            # The kind only, as Horovod compares it: each rank drives its own GPU (usually
+            # cuda:<local_rank>), so indices differ across ranks of one collective.
+            device = "GPU" if first.is_cuda else "CPU"
+        else:
+            dtype, shapes, device = "", (), "CPU"
+        # Positional: the per-request path of every small collective.
         meta = RequestMeta(
-            key=key,
-            name=display,
-            op=op,
-            process_set_id=process_set_id,
-            rank=self.rank,
-            dtype=execute.dtype_name(first.dtype) if first is not None else "",
-            shapes=tuple(tuple(t.shape) for t in inputs),
-            device=_device_label(first),
-            reduce_op=ReduceOp(reduce_op),
-            prescale=float(prescale),
-            postscale=float(postscale),
-            root=root,
-            splits=None if splits is None else tuple(int(s) for s in splits),
-            payload=tuple(payload),
+            key,
+            display,
+            op,
+            process_set_id,
+            self.rank,
+            dtype,
+            shapes,
+            device,
+            reduce_op if type(reduce_op) is ReduceOp else ReduceOp(reduce_op),
+            float(prescale),
+            float(postscale),
+            root,
+            None if splits is None else tuple(int(s) for s in splits),
+            tuple(payload),
         )
         request = Request(meta, inputs, outputs)
+        ident = request.ident
         if len(state.ranks) == 1:
+            with self._lock:
+                if ident in self._inflight:
+                    raise DuplicateNameError(display)
             self._run_alone(request, state)
             return request.handle
+        request.handle.on_wait = self._flush.set
         with self._lock:
             if self._stopped is not None:
                 raise self._stopped
+            if ident in self._inflight:
+                raise DuplicateNameError(display)
             self._inflight.add(ident)
-            self._queue.append(request)
-            now = time.perf_counter()
-            self._arrival_gap = now - self._last_arrival
-            self._last_arrival = now
-        self._wake.set()
+            queue = self._queue
+            queue.append(request)
+            self._last_arrival = time.perf_counter()
+        # The engine takes the whole queue at once: only the first request of a batch needs
+        # to wake it (see _let_burst_finish for the rest).
+        if len(queue) == 1:
+            self._wake.set()
         return request.handle
 
     def _run_alone(self, request: Request, state: ProcessSetState) -> None:
@@ -678,34 +698,37 @@ class Engine:
 
     def _let_burst_finish(self) -> None:
         """Waits for a burst of submissions (a backward pass, a loop of async calls) to end
-        before negotiating it, so that it is fused into few cycles and the engine thread does
+        before negotiating it, so that it is fused into one cycle and the engine thread does
         not compete with the submitting thread for the GIL meanwhile.
 
-        The burst is over when no request has arrived for three of its recent gaps between
-        requests (an isolated request waits only a few microseconds); never longer than one
-        cycle time.
+        The burst is over at once when a thread starts waiting for a handle (it submits
+        nothing more meanwhile: a blocking collective, ``synchronize``), else when nothing
+        has been submitted for half a millisecond, and after five cycle times at the latest.
+        The engine waits on the flush event, which such a thread sets (the cycle that takes
+        the queue clears it), and wakes up only for those deadlines: every wake-up takes the
+        GIL from the submitting thread.
         """
         if not self._queue:
             return
         start = time.perf_counter()
-        limit = self.config.cycle_time_ms / 1000.0
-        while True:
-            gap = self._arrival_gap
-            quiet = 3.0 * gap if gap < _BURST_GAP_S else _ISOLATED_QUIET_S
+        limit = _BURST_CYCLES * self.config.cycle_time_ms / 1000.0
+        flush = self._flush
+        while not flush.is_set():
             now = time.perf_counter()
             since = now - self._last_arrival
-            if since >= quiet or now - start >= limit:
+            if since >= _QUIET_S or now - start >= limit:
                 return
-            time.sleep(min(quiet - since, limit - (now - start)))
+            flush.wait(min(_QUIET_S - since, limit - (now - start)))
 
     def _cycle(self) -> bool:
         """One negotiation round; returns False once the job is shutting down."""
         self.cycles += 1
+        self._flush.clear()
         with self._lock:
             new, self._queue = self._queue, []
             notice = self._notice
-        for request in new:
-            self._admit(request)
+        if new:
+            self._admit_all(new)
         now = time.monotonic()
         if self._inspector.due(now):
             self._check_stalls(now)
@@ -748,11 +771,12 @@ class Engine:
             if stale is not None:
                 self._to_send.append(stale)
 
-        entries: list[tuple[Response, Request | None]] = []
-        for slot in np.flatnonzero(ready).tolist():
-            response = self._cache.response(slot)
-            self._cache.touch(slot)
-            entries.append((response, self._waiting_on_cache.pop(slot, None)))
+        slots = np.flatnonzero(ready).tolist()
+        waiting = self._waiting_on_cache.pop
+        entries: list[tuple[Response, Request | None]] = [
+            (response, waiting(slot, None))
+            for slot, response in zip(slots, self._cache.take(slots))
+        ]
 
         negotiated: list[Response] = []
         if not flags & _FLAG_NOTHING_TO_SEND:
@@ -793,6 +817,30 @@ class Engine:
             with self._lock:
                 if self._notice is None:
                     self._notice = stall
+
+    def _admit_all(self, requests: list[Request]) -> None:
+        """:meth:`_admit` for a cycle's new requests, with the common case (a cache hit)
+        inline."""
+        cache = self._cache
+        if self._join_mode or cache.capacity == 0:
+            for request in requests:
+                self._admit(request)
+            return
+        lookup = cache.lookup
+        waiting = self._waiting_on_cache
+        timeline = self.timeline
+        traced = timeline is not None and timeline.active
+        for request in requests:
+            meta = request.meta
+            if meta.op in _CACHEABLE and not meta.key.startswith("noname."):
+                found, slot = lookup(meta.process_set_id, meta.key, meta.signature())
+                if found is Lookup.HIT:
+                    waiting[slot] = request
+                    if traced:
+                        assert timeline is not None
+                        timeline.negotiation_started(meta.name, meta.op)
+                    continue
+            self._admit(request)
 
     def _admit(self, request: Request) -> None:
         meta = request.meta
@@ -866,18 +914,23 @@ class Engine:
         self, entries: list[tuple[Response, Request | None]]
     ) -> list[list[tuple[Response, Request | None]]]:
         threshold = self.config.fusion_threshold
+        if threshold <= 0:
+            return [[entry] for entry in entries]
+        no_groups = self.config.disable_group_fusion
         units: list[list[tuple[Response, Request | None]]] = []
-        open_units: dict[tuple[object, ...], tuple[int, int]] = {}
+        # Per fusion key, the unit still open for more tensors and its bytes so far.
+        open_units: dict[tuple[object, ...], tuple[list[tuple[Response, Request | None]], int]]
+        open_units = {}
+        prod = math.prod
         for entry in entries:
             response = entry[0]
-            fusable = (
-                threshold > 0
-                and response.op == OpType.ALLREDUCE
-                and response.error is None
-                and response.reduce_op != ReduceOp.ADASUM
-                and not (self.config.disable_group_fusion and len(response.shapes) > 1)
-            )
-            if not fusable:
+            shapes = response.shapes
+            if (
+                response.op != _ALLREDUCE
+                or response.error is not None
+                or response.reduce_op == _ADASUM
+                or (no_groups and len(shapes) > 1)
+            ):
                 units.append([entry])
                 continue
             key = (
@@ -888,14 +941,16 @@ class Engine:
                 response.postscale,
                 response.device,
             )
-            nbytes = response.nbytes(_itemsize(response.dtype))
+            count = prod(shapes[0]) if len(shapes) == 1 else sum(map(prod, shapes))
+            nbytes = count * _ITEMSIZES[response.dtype]
             found = open_units.get(key)
             if found is not None and found[1] + nbytes <= threshold:
-                units[found[0]].append(entry)
+                found[0].append(entry)
                 open_units[key] = (found[0], found[1] + nbytes)
             else:
-                open_units[key] = (len(units), nbytes)
-                units.append([entry])
+                unit = [entry]
+                units.append(unit)
+                open_units[key] = (unit, nbytes)
         return units
 
     def _execute_unit(self, unit: list[tuple[Response, Request | None]]) -> None:
@@ -962,8 +1017,7 @@ class Engine:
         op = response.op
         if op == OpType.ALLREDUCE:
             execute.allreduce(comm, unit, self._buffers, phase)
-            for request in requests:
-                self._finish(request, request.outputs)
+            self._complete_all(requests)
             return
         if op == OpType.BARRIER:
             comm.barrier()
@@ -994,6 +1048,23 @@ class Engine:
         else:
             self._finish(request, None)
 
+    def _complete_all(self, requests: list[Request]) -> None:
+        """:meth:`_finish` for the requests of a unit that succeeded, with their outputs: one
+        lock and one timeline check for all of them."""
+        with self._lock:
+            discard = self._inflight.discard
+            for request in requests:
+                discard(request.ident)
+        timeline = self.timeline
+        if timeline is not None and timeline.active:
+            for request in requests:
+                meta = request.meta
+                timeline.done(meta.name, {"dtype": meta.dtype, "shape": str(list(meta.shapes))})
+        # Last first: a thread waiting for the first handle of a batch (synchronize in
+        # submission order) wakes once, when the whole batch is done.
+        for request in reversed(requests):
+            request.handle.complete(request.outputs)
+
     def _finish(
         self,
         request: Request,
@@ -1002,7 +1073,7 @@ class Engine:
         error: BaseException | None = None,
     ) -> None:
         with self._lock:
-            self._inflight.discard((request.meta.process_set_id, request.meta.key))
+            self._inflight.discard(request.ident)
         timeline = self.timeline
         if timeline is not None and timeline.active:
             # Before the handle is released: the user may stop the timeline right after.
@@ -1026,6 +1097,15 @@ class Engine:
                 request.handle.fail(error)
 
 
+def _not_member_message(label: str, state: ProcessSetState | None, rank: int) -> str:
+    title = label.split("_")[-1].capitalize() if label.startswith("grouped") else (
+        label.capitalize()
+    )
+    if state is None:
+        return f"{title}: Process set provided does not exist, or has not been registered."
+    return f"{title}: Rank {rank} is not a member of the provided process set."
+
+
 def _named(exc: Exception, name: str) -> HorovodInternalError:
     """The error a request of a failed collective raises: named failures (an NCCL error or
     timeout) keep their class for ``except``."""
@@ -1047,23 +1127,16 @@ def _tighten_timer_slack() -> None:
         pass
 
 
+_ALLREDUCE = OpType.ALLREDUCE
+_ADASUM = ReduceOp.ADASUM
+
 _CACHEABLE = frozenset(
     {OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL, OpType.REDUCESCATTER}
 )
 
 
+_DTYPE_NAMES = {dtype: name for name, dtype in execute.DTYPES.items()}
+
 _ITEMSIZES = {
     name: torch.empty((), dtype=dtype).element_size() for name, dtype in execute.DTYPES.items()
 }
-
-
-def _itemsize(dtype: str) -> int:
-    return _ITEMSIZES[dtype]
-
-
-def _device_label(tensor: torch.Tensor | None) -> str:
-    # The kind only, as Horovod compares it: each rank drives its own GPU (usually
-    # cuda:<local_rank>), so indices differ across ranks of one collective.
-    if tensor is None or tensor.device.type == "cpu":
-        return "CPU"
-    return "GPU"

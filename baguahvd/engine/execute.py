@@ -8,6 +8,7 @@ in float64 and truncated toward zero, float16/bfloat16 in float32 and rounded on
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import torch
@@ -59,18 +60,58 @@ def scale_(tensor: torch.Tensor, factor: float) -> None:
             tensor.copy_(scaled(tensor, factor))
 
 
+# Fused layouts whose views are kept: a training step repeats a few of them.
+_MAX_LAYOUTS = 32
+
+Layout = tuple[torch.dtype, torch.device, tuple[tuple[int, ...], ...]]
+
+
 class FusionBuffers:
-    """One reusable flat buffer per dtype and device, grown on demand."""
+    """One reusable flat buffer per dtype and device, grown on demand, and the views of it
+    that recurring fused layouts copy their tensors in and out of.
+
+    Creating a view costs as much as copying a few kilobytes, and a step fuses the same
+    tensors in the same order every time (the response cache hands them out in slot order),
+    so the views of each layout are made once.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._layouts: OrderedDict[Layout, tuple[torch.Tensor, list[torch.Tensor]]] = (
+            OrderedDict()
+        )
 
     def get(self, dtype: torch.dtype, count: int, device: torch.device) -> torch.Tensor:
         buffer = self._buffers.get((dtype, device))
         if buffer is None or buffer.numel() < count:
             buffer = torch.empty(count, dtype=dtype, device=device)
             self._buffers[(dtype, device)] = buffer
+            # Views of the old buffer would keep it alive.
+            for layout in [k for k in self._layouts if k[0] == dtype and k[1] == device]:
+                del self._layouts[layout]
         return buffer[:count]
+
+    def views(
+        self, dtype: torch.dtype, device: torch.device, shapes: tuple[tuple[int, ...], ...]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The flat buffer for tensors of ``shapes`` (in order), and a view of it shaped as
+        each tensor."""
+        layout = (dtype, device, shapes)
+        found = self._layouts.get(layout)
+        if found is not None:
+            self._layouts.move_to_end(layout)
+            return found
+        counts = [numel(shape) for shape in shapes]
+        buffer = self.get(dtype, sum(counts), device)
+        # split() makes the flat views in one call; only the others need a second view.
+        views = [
+            part if len(shape) == 1 else part.view(shape)
+            for part, shape in zip(buffer.split(counts), shapes)
+        ]
+        self._layouts[layout] = (buffer, views)
+        if len(self._layouts) > _MAX_LAYOUTS:
+            self._layouts.popitem(last=False)
+        return buffer, views
 
 
 Entry = tuple[Response, "Request | None"]
@@ -125,31 +166,40 @@ def allreduce(
     if first.reduce_op == ReduceOp.ADASUM:
         phase("COMMUNICATE")
         for entry in entries:
-            inputs, outputs = _inputs_outputs(entry, dtype, comm)
-            for tensor_in, tensor_out in zip(inputs, outputs):
+            for tensor_in, tensor_out in zip(*_inputs_outputs(entry, dtype, comm)):
                 adasum(comm, tensor_in, tensor_out, first.prescale, first.postscale)
         return
     op, pre, post = _factors(first, comm.size)
-    pairs = [pair for entry in entries for pair in zip(*_inputs_outputs(entry, dtype, comm))]
-    if len(pairs) == 1:
-        tensor_in, tensor_out = pairs[0]
+    inputs: list[torch.Tensor] = []
+    outputs: list[torch.Tensor] = []
+    for entry in entries:
+        request = entry[1]
+        if request is not None and request.outputs is not None:
+            inputs += request.inputs
+            outputs += request.outputs
+        else:
+            zeros, _ = _inputs_outputs(entry, dtype, comm)
+            inputs += zeros
+            outputs += zeros
+    if len(inputs) == 1:
+        tensor_in, tensor_out = inputs[0], outputs[0]
         source = scaled(tensor_in, pre) if pre != 1.0 else tensor_in
         phase("COMMUNICATE")
         comm.allreduce(source, tensor_out, op)
         scale_(tensor_out, post)
         return
     phase("MEMCPY_IN_FUSION_BUFFER")
-    counts = [t.numel() for t, _ in pairs]
-    buffer = buffers.get(dtype, sum(counts), pairs[0][0].device)
+    shapes = tuple(shape for entry in entries for shape in entry[0].shapes)
+    buffer, views = buffers.views(dtype, inputs[0].device, shapes)
     # One call each way rather than a copy per tensor: fewer GIL round trips while the
     # training thread is busy submitting.
-    torch.cat([t.reshape(-1) for t, _ in pairs], out=buffer)
+    _copy_all(views, inputs)
     scale_(buffer, pre)
     phase("COMMUNICATE")
     comm.allreduce(buffer, buffer, op)
     phase("MEMCPY_OUT_FUSION_BUFFER")
     scale_(buffer, post)
-    _copy_all([t.view(-1) for _, t in pairs], list(torch.split(buffer, counts)))
+    _copy_all(outputs, views)
 
 
 def _no_phase(activity: str) -> None:

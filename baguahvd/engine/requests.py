@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ class Handle:
     training step.
     """
 
-    __slots__ = ("_pending", "name", "result", "error", "extra", "_keepalive")
+    __slots__ = ("_pending", "name", "result", "error", "extra", "_keepalive", "on_wait")
 
     def __init__(self, name: str, keepalive: Sequence[torch.Tensor]) -> None:
         self._pending = threading.Lock()
@@ -31,6 +31,9 @@ class Handle:
         self.error: BaseException | None = None
         self.extra: Any = None
         self._keepalive: Sequence[torch.Tensor] | None = keepalive
+        self.on_wait: Callable[[], None] | None = None
+        """Called when a thread is about to block in :meth:`wait`: the engine then knows
+        that a burst of submissions is over and starts its cycle at once."""
 
     def done(self) -> bool:
         """Whether the collective has finished (successfully or not). Never blocks."""
@@ -39,6 +42,8 @@ class Handle:
     def wait(self) -> list[torch.Tensor] | None:
         """Blocks until done; returns the outputs or raises the collective's error."""
         if self._pending.locked():
+            if self.on_wait is not None:
+                self.on_wait()
             self._pending.acquire()
             self._pending.release()
         if self.error is not None:
@@ -67,7 +72,7 @@ class Handle:
 class Request:
     """A submitted collective: its description, its tensors and its handle."""
 
-    __slots__ = ("meta", "inputs", "outputs", "handle", "submitted")
+    __slots__ = ("meta", "inputs", "outputs", "handle", "submitted", "ident")
 
     def __init__(
         self,
@@ -76,8 +81,10 @@ class Request:
         outputs: Sequence[torch.Tensor] | None,
     ) -> None:
         self.meta = meta
-        self.inputs = list(inputs)
-        self.outputs = None if outputs is None else list(outputs)
+        self.inputs = inputs if type(inputs) is list else list(inputs)
+        self.outputs = outputs if outputs is None or type(outputs) is list else list(outputs)
         self.handle = Handle(meta.name, ())
         # When the user submitted it: the stall inspector measures waits from here.
         self.submitted = time.monotonic()
+        self.ident = (meta.process_set_id, meta.key)
+        """What names it among the requests in flight."""

@@ -88,10 +88,13 @@ def _check_tensor(tensor: Any, allowed: frozenset[torch.dtype], what: str) -> to
         raise ValueError("Tensor is required to be contiguous.")
     if tensor.is_sparse:
         raise ValueError(f"{what} expects a dense tensor; use sparse_allreduce_async.")
-    if tensor.device.type not in ("cpu", "cuda"):
+    # is_cpu / is_cuda first: reading tensor.device builds an object, on every request.
+    if tensor.is_cpu:
+        return tensor
+    if not tensor.is_cuda:
         raise ValueError(f"{what}: tensors on {tensor.device} are not supported.")
     # Probing imports CuPy, so only the first CUDA tensor pays for it (the answer is cached).
-    if tensor.device.type == "cuda" and not capabilities.nccl_built():
+    if not capabilities.nccl_built():
         raise HorovodInternalError(
             f"{what}: CUDA tensors need baguahvd's GPU backend (CuPy with NCCL), which is not "
             "available in this installation; install it with `pip install baguahvd[cuda12]`, "
@@ -125,6 +128,11 @@ def _process_set_id(process_set: ProcessSet, title: str) -> int:
 
 
 def _resolve_op(average: bool | None, op: int | None, default: ReduceOp = Average) -> ReduceOp:
+    if average is None:
+        if op is None:
+            return default
+        if type(op) is ReduceOp:
+            return op
     if op is not None and average is not None:
         raise ValueError("The op parameter supersedes average. Please provide only one of them.")
     if average is not None:
@@ -245,7 +253,8 @@ def allreduce_async(
 ) -> int:
     """Starts an out-of-place allreduce; see :func:`allreduce`. Returns a handle."""
     tensor = _check_tensor(tensor, _REDUCIBLE, "allreduce")
-    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    # Contiguous already, so preserving its format gives a contiguous output.
+    output = torch.empty_like(tensor)
     handle = _allreduce_submit(
         [tensor], [output], "allreduce", average, name, op, prescale_factor,
         postscale_factor, process_set,

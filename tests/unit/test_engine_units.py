@@ -3,6 +3,8 @@ configuration, and the arithmetic of ``baguahvd.engine.execute`` on a one-rank g
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -452,6 +454,52 @@ def test_fused_in_place_allreduce() -> None:
     assert outputs[0] is tensors[0] and outputs[1] is tensors[1]
     assert tensors[0].tolist() == [[1, 1]] * 3
     assert tensors[1].tolist() == [-1] * 5
+
+
+def test_fused_layouts_are_viewed_once_and_forgotten_when_the_buffer_grows() -> None:
+    buffers = execute.FusionBuffers()
+    shapes = ((2, 3), (), (4,))
+    buffer, views = buffers.views(torch.float32, torch.device("cpu"), shapes)
+    assert buffer.numel() == 11 and [tuple(v.shape) for v in views] == list(shapes)
+    # The views tile the buffer in order.
+    buffer.copy_(torch.arange(11, dtype=torch.float32))
+    assert views[0].flatten().tolist() == [0, 1, 2, 3, 4, 5]
+    assert views[1].item() == 6 and views[2].tolist() == [7, 8, 9, 10]
+    again = buffers.views(torch.float32, torch.device("cpu"), shapes)
+    assert again[0] is buffer and again[1] is views
+    # A larger layout grows the buffer: the old layout's views are made anew on it.
+    buffers.views(torch.float32, torch.device("cpu"), ((100,),))
+    fresh_buffer, fresh_views = buffers.views(torch.float32, torch.device("cpu"), shapes)
+    assert fresh_views is not views
+    assert fresh_views[0].data_ptr() == fresh_buffer.data_ptr()
+    assert fresh_buffer.data_ptr() != buffer.data_ptr()
+
+
+def test_repeated_fused_allreduces_reuse_the_layout_with_fresh_tensors() -> None:
+    buffers = execute.FusionBuffers()
+    for step in range(3):
+        tensors = [torch.full((2, 2), float(step)), torch.full((3,), float(-step))]
+        entries = []
+        for index, tensor in enumerate(tensors):
+            meta = RequestMeta(key=f"t{index}", name=f"allreduce.t{index}",
+                               op=OpType.ALLREDUCE, process_set_id=0, rank=0,
+                               dtype="float32", shapes=(tuple(tensor.shape),))
+            entries.append((build_response([meta], (0,), ()),
+                            Request(meta, [tensor], [torch.empty_like(tensor)])))
+        execute.allreduce(SelfCommunicator(), entries, buffers)
+        for (_, request), tensor in zip(entries, tensors):
+            assert request.outputs is not None
+            assert torch.equal(request.outputs[0], tensor)
+
+
+def test_a_handle_tells_the_engine_before_it_blocks() -> None:
+    calls: list[int] = []
+    handle = Request(_meta(0), [], None).handle
+    handle.on_wait = lambda: calls.append(1)
+    threading.Timer(0.05, handle.complete, args=([],)).start()
+    assert handle.wait() == [] and calls == [1]
+    # A finished handle does not block, so the engine is not told.
+    assert handle.wait() == [] and calls == [1]
 
 
 def test_scaled_helper() -> None:
