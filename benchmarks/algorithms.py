@@ -219,31 +219,6 @@ def make_optimizer(spec: str, model: Any, hvd: Any, args: argparse.Namespace) ->
     return hvd.DistributedOptimizer(base, named_parameters=named, algorithm=name)
 
 
-def start_gloo(comm: Any) -> None:
-    """Starts torch.distributed (gloo) on the MPI job's ranks, for the ``ddp`` row. On the
-    emulated cluster (EMU_NET_IF set) gloo is held to the shaped link, like MPI."""
-    import subprocess
-
-    import torch.distributed as dist
-
-    interface = os.environ.get("EMU_NET_IF")
-    if interface:
-        os.environ["GLOO_SOCKET_IFNAME"] = interface
-    address = None
-    if comm.Get_rank() == 0:
-        host = socket.gethostname()
-        if interface:
-            shown = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", interface],
-                                   capture_output=True, text=True, check=True).stdout
-            host = shown.split(" inet ", 1)[1].split("/", 1)[0]
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            address = f"tcp://{host}:{probe.getsockname()[1]}"
-    address = comm.bcast(address, root=0)
-    dist.init_process_group("gloo", init_method=address, rank=comm.Get_rank(),
-                            world_size=comm.Get_size())
-
-
 def run_one(spec: str, hvd: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Warmup, timed steps; this rank's step times and byte counts."""
     import torch
@@ -434,6 +409,8 @@ def bench(args: argparse.Namespace) -> None:
               flush=True)
 
     if "ddp" in specs:
+        from gloo import start_gloo
+
         start_gloo(comm)
 
     load_before = os.getloadavg()

@@ -9,7 +9,9 @@ For each message size it times ``hvd.allreduce(t, op=hvd.Sum)`` (out of place) a
 ``MPI.COMM_WORLD.Allreduce(send, recv)`` on the same float32 buffers, alternating the two,
 and prints the ratio of raw time to baguahvd time (1.0 = as fast as raw MPI). The "fused"
 rows time 256 named ``allreduce_async`` calls followed by ``synchronize`` against one raw
-Allreduce of the same total bytes. With Horovod importable, its figures join the table.
+Allreduce of the same total bytes. torch.distributed's gloo ``all_reduce`` (PyTorch's own CPU
+collective, what DDP uses) joins the table unless ``--no-gloo``; with Horovod importable, its
+figures join too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from mpi4py import MPI
 
 import baguahvd.torch as hvd
@@ -59,6 +62,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="stop at 16 MB")
     parser.add_argument("--fused-count", type=int, default=256)
+    parser.add_argument("--no-gloo", dest="gloo", action="store_false",
+                        help="leave out torch.distributed's gloo allreduce")
     args = parser.parse_args()
 
     hvd.init()
@@ -71,7 +76,13 @@ def main() -> None:
         sizes.append(nbytes)
         nbytes *= 4
 
+    if args.gloo:
+        from gloo import start_gloo
+
+        start_gloo(comm)
     header = f"{'size':>8} | {'raw MPI':>10} | {'baguahvd':>10} | {'ratio':>6}"
+    if args.gloo:
+        header += f" | {'gloo':>10} | {'ratio':>6}"
     if horovod is not None:
         header += f" | {'horovod':>10} | {'ratio':>6}"
     lines = [f"allreduce (float32, Sum) on {hvd.size()} ranks; time per call", header]
@@ -95,6 +106,9 @@ def main() -> None:
         t_ours = _timed(ours, iters, comm)
         line = f"{_human(nbytes):>8} | {t_raw * 1e6:8.0f}us | {t_ours * 1e6:8.0f}us | " \
                f"{t_raw / t_ours:6.2f}"
+        if args.gloo:
+            t_gloo = _timed(lambda: dist.all_reduce(send), iters, comm)
+            line += f" | {t_gloo * 1e6:8.0f}us | {t_raw / t_gloo:6.2f}"
         if horovod is not None:
             t_hvd = _timed(lambda: horovod.allreduce(send, op=horovod.Sum, name="b"), iters, comm)
             line += f" | {t_hvd * 1e6:8.0f}us | {t_raw / t_hvd:6.2f}"
@@ -126,9 +140,18 @@ def main() -> None:
         t_raw = _timed(raw_one, iters, comm)
         t_ours = _timed(ours_many, iters, comm)
         label = f"{n}x{_human(per_tensor)}"
-        lines.append(
-            f"{label:>8} | {t_raw * 1e6:8.0f}us | {t_ours * 1e6:8.0f}us | {t_raw / t_ours:6.2f}"
-        )
+        line = f"{label:>8} | {t_raw * 1e6:8.0f}us | {t_ours * 1e6:8.0f}us | {t_raw / t_ours:6.2f}"
+        if args.gloo:
+
+            def gloo_many() -> None:
+                works = [dist.all_reduce(t, async_op=True) for t in tensors]
+                for work in works:
+                    work.wait()
+
+            gloo_many()
+            t_gloo = _timed(gloo_many, iters, comm)
+            line += f" | {t_gloo * 1e6:8.0f}us | {t_raw / t_gloo:6.2f}"
+        lines.append(line)
     if rank == 0:
         print("\n".join(lines), flush=True)
     hvd.shutdown()
