@@ -123,6 +123,19 @@ def test_synthetic_benchmark(tmp_path: pathlib.Path) -> None:
     assert "Algorithm: gradient_allreduce" in output
 
 
+def launcher_env() -> dict[str, str]:
+    """The environment for running ``baguahvdrun`` from a test (as root, one thread a rank)."""
+    env = dict(os.environ)
+    env.update(
+        OMP_NUM_THREADS="1",
+        OMPI_MCA_mpi_yield_when_idle="1",
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+    )
+    return env
+
+
 def _rank_pid(rank: int, elastic_dir: pathlib.Path) -> int | None:
     """The pid of ``rank`` of the elastic job using ``elastic_dir``, from /proc."""
     wanted = [
@@ -143,14 +156,7 @@ def _rank_pid(rank: int, elastic_dir: pathlib.Path) -> int | None:
 
 def test_digits_elastic_survives_kill_9(tmp_path: pathlib.Path) -> None:
     elastic_dir = tmp_path / "elastic"
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        OMPI_MCA_mpi_yield_when_idle="1",
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
-    )
+    env = launcher_env()
     command = [
         sys.executable,
         "-m",
@@ -222,12 +228,7 @@ def run_as_horovod(
     """Runs ``source``, its import switched to Horovod's, through ``baguahvdrun --as-horovod``
     on two ranks; returns stdout, failing on any error."""
     script = as_horovod_script(source, tmp_path)
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        OMPI_MCA_mpi_yield_when_idle="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
-    )
+    env = launcher_env()
     command = [
         sys.executable,
         "-m",
