@@ -182,6 +182,7 @@ class State:
         self._host_messages: queue.Queue[tuple[float, HostUpdateResult]] = queue.Queue()
         self._last_updated_timestamp = 0.0
         self._commits = 0
+        self._resumed = False
         config = runtime.config
         self._hosts_version = config.elastic_hosts_version if config is not None else 0
         folder = config.elastic_dir if config is not None else None
@@ -266,9 +267,11 @@ class State:
 
     def _resume(self) -> bool:
         """Loads the newest persisted commit that any rank sees into rank 0's state, ready
-        for :meth:`sync`; returns False when there is none. Collective."""
-        if self._store is None:
+        for :meth:`sync`; returns False when there is none. Collective. Only the first call
+        for a state reads the folder: later runs of the same state continue from memory."""
+        if self._store is None or self._resumed:
             return False
+        self._resumed = True
         if self._allgather_object is None:
             raise RuntimeError("resuming from a commit needs allgather_object")
         seen = self._allgather_object(self._store.newest(), name="elastic.resume")
@@ -330,7 +333,16 @@ class ObjectState(State):
         return {"objects": self._saved_state}
 
     def _load_payload(self, payload: Any) -> None:
-        self._saved_state.update(payload["objects"])
+        objects = payload["objects"]
+        if objects.keys() != self._saved_state.keys():
+            logger.warning(
+                "the commit holds the values %s but this state has %s; loading the shared ones",
+                sorted(objects),
+                sorted(self._saved_state),
+            )
+        self._saved_state.update(
+            (name, value) for name, value in objects.items() if name in self._saved_state
+        )
         self._set_attrs()
 
 

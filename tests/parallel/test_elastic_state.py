@@ -219,3 +219,18 @@ def test_commit_pauses_background_averaging(rank: int) -> None:
     assert impl.running  # and averaging goes on afterwards
     impl.abort = real_abort
     impl.abort()
+
+
+def test_a_second_run_of_the_same_state_continues_from_memory(rank: int, elastic_dir: str) -> None:
+    state = _state(rank)
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState, epochs: int) -> int:
+        state.epoch += epochs
+        state.commit()
+        state.epoch += 100  # after the last commit: kept in memory, not on disk
+        return state.epoch
+
+    assert train(state, 1) == 101
+    # Another call in the same process does not go back to the folder's commit.
+    assert train(state, 1) == 202

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from baguahvd.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "HostUpdateResult",
@@ -239,7 +242,14 @@ class TorchState(ObjectState):
         return payload
 
     def _load_payload(self, payload: Any) -> None:
-        for name, saved in payload["handlers"].items():
+        saved_handlers = payload["handlers"]
+        if saved_handlers.keys() != self._handlers.keys():
+            logger.warning(
+                "the commit holds %s but this state has %s; loading the shared ones",
+                sorted(saved_handlers),
+                sorted(self._handlers),
+            )
+        for name, saved in saved_handlers.items():
             if name in self._handlers:
                 self._handlers[name].load(saved)
         super()._load_payload(payload)
