@@ -68,6 +68,15 @@ _FAILED_NODE_PATTERNS = (
     re.compile(r"\bdaemon\s+on\s+node\s+(\S+)\s+(?:failed|died|exited)", re.IGNORECASE),
 )
 
+# Open MPI's reports of a program that no rank could start (a missing or non-executable
+# file): relaunching cannot help.
+_NOT_STARTED_PATTERNS = (
+    re.compile(r"unable\s+to\s+launch\s+the\s+specified\s+application", re.IGNORECASE),
+    re.compile(
+        r"could\s+not\s+(?:access\s+or\s+)?(?:find|execute|access)\s+an\s+executable", re.IGNORECASE
+    ),
+)
+
 ELASTIC_ONLY_FLAGS = (
     ("checkpoint_dir", "--checkpoint-dir"),
     ("min_num_proc", "--min-np"),
@@ -351,6 +360,12 @@ def failed_nodes(stderr_text: str) -> list[str]:
     return list(found)
 
 
+def program_not_started(stderr_text: str) -> bool:
+    """Whether ``mpirun``'s stderr says that the program could not be started at all."""
+    text = " ".join(stderr_text.split())
+    return any(pattern.search(text) for pattern in _NOT_STARTED_PATTERNS)
+
+
 def same_host(first: str, second: str) -> bool:
     """Whether two names mean the same machine: equal, equal before the first dot, or both
     this machine (Open MPI reports ``localhost`` under the machine's own name)."""
@@ -511,7 +526,7 @@ class ElasticLauncher:
                 self._note_hosts(hosts)
             launches += 1
             _say(f"launch {launches}{reason} on {format_hosts(hosts)} ({size} ranks)")
-            status, nodes = self._launch_once(launches - 1, hosts, size)
+            status, report = self._launch_once(launches - 1, hosts, size)
             if self._signal is not None:
                 return status if status > 0 else 128 + self._signal
             if status == 0:
@@ -524,6 +539,11 @@ class ElasticLauncher:
             limit = settings.reset_limit
             if limit is not None and launches - 1 >= limit:
                 _say(f"launch {launches} {what}; not relaunching: --reset-limit {limit} reached")
+                return status
+            if status != RESIZE_EXIT_CODE and program_not_started(report):
+                _say(
+                    f"launch {launches} {what}: mpirun could not start the program; not relaunching"
+                )
                 return status
             if status == RESIZE_EXIT_CODE:
                 _say(f"launch {launches} {what}; relaunching on the new hosts")
@@ -541,7 +561,7 @@ class ElasticLauncher:
                     f"(restart {failures} of {settings.max_restarts})"
                 )
                 reason = f" (restart {failures} of {settings.max_restarts})"
-                self._leave_out(nodes)
+                self._leave_out(failed_nodes(report))
             self._refresh_hosts(strict=False)
 
     def _wait_for_slots(self, *, first: bool) -> tuple[list[cli.Host], int]:
@@ -577,7 +597,8 @@ class ElasticLauncher:
             self._stop.wait(min(settings.poll_seconds, remaining))
             self._refresh_hosts(strict=False)
 
-    def _launch_once(self, index: int, hosts: list[cli.Host], size: int) -> tuple[int, list[str]]:
+    def _launch_once(self, index: int, hosts: list[cli.Host], size: int) -> tuple[int, str]:
+        """Runs one launch; returns mpirun's status and the end of its stderr."""
         env = dict(self._env)
         env[ELASTIC_ENV] = "1"
         if "BAGUAHVD_ELASTIC" in env:
@@ -614,7 +635,7 @@ class ElasticLauncher:
             if poller is not None:
                 poller.join()
 
-    def _run_mpirun(self, command: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
+    def _run_mpirun(self, command: list[str], env: dict[str, str]) -> tuple[int, str]:
         tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
         try:
             process = subprocess.Popen(
@@ -638,7 +659,7 @@ class ElasticLauncher:
             copier.join()
         if status < 0:
             status = 128 - status
-        return status, failed_nodes("".join(tail))
+        return status, "".join(tail)
 
     # --- hosts ----------------------------------------------------------------------------
 

@@ -527,3 +527,33 @@ def test_real_job_survives_a_killed_rank(tmp_path: Path) -> None:
     for line in ("rank 0 of launch 1", "rank 1 of launch 1"):
         assert line in result.stdout, output
     assert "rank 1 of launch 0" not in result.stdout, output
+
+
+OPEN_MPI_NOT_STARTED = (
+    "--------------------------------------------------------------------------\n"
+    "prterun was unable to launch the specified application as it could not\n"
+    "access an executable:\n\n   Executable: /no/such/program\n   Node: vm\n\n"
+    "while attempting to start process rank 0.\n"
+)
+
+
+def test_program_that_cannot_start_is_not_relaunched(
+    fake: FakeMpirun, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake.script({"status": 183, "stderr": OPEN_MPI_NOT_STARTED}, 0)
+    assert run.main(["--elastic", "-np", "2", "/no/such/program"]) == 183
+    assert len(fake.launches()) == 1
+    assert "could not start the program; not relaunching" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (OPEN_MPI_NOT_STARTED, True),
+        ("mpirun could not find an executable named prog\n", True),
+        ("prterun noticed that process rank 1 with PID 7 on node vm exited on signal 9", False),
+        ("", False),
+    ],
+)
+def test_program_not_started(text: str, expected: bool) -> None:
+    assert elastic_launch.program_not_started(text) is expected
