@@ -134,6 +134,10 @@ class Watchdog:
     def _loop(self) -> None:
         last = self._progress()
         since = time.monotonic()
+        # When each neighbour was first seen gone while the cycles stood still. Looking
+        # from the first tick without progress, not only after _STUCK_S, lets the report
+        # name the rank that died first rather than one that ended because of it.
+        gone_since: dict[int, tuple[float, int]] = {}
         while not self._stopping.wait(_INTERVAL_S):
             if self._poll is not None:
                 try:
@@ -145,18 +149,22 @@ class Watchdog:
             now = time.monotonic()
             if count != last:
                 last, since = count, now
+                gone_since.clear()
                 continue
+            for rank, pid, start_time in self._neighbours:
+                if rank not in gone_since and is_gone(pid, start_time):
+                    gone_since[rank] = (now, pid)
             stuck = now - since
             if stuck < _STUCK_S:
                 continue
-            for rank, pid, start_time in self._neighbours:
-                if is_gone(pid, start_time):
-                    self._report(
-                        rank,
-                        f"its process (pid {pid} on this node) is gone: it was killed or "
-                        "crashed without a Python exception",
-                    )
-                    return
+            if gone_since:
+                rank = min(gone_since, key=lambda r: (gone_since[r][0], r))
+                self._report(
+                    rank,
+                    f"its process (pid {gone_since[rank][1]} on this node) is gone: it was "
+                    "killed or crashed without a Python exception",
+                )
+                return
             if self._timeout_s and stuck >= self._timeout_s:
                 self._report(
                     -1,

@@ -508,3 +508,33 @@ def test_one_rank_job_writes_the_timeline(tmp_path: Path) -> None:
                  "MEMCPY_IN_FUSION_BUFFER", "start_time_since_epoch_in_micros"):
         assert part in text, part
     json.loads(text)
+
+
+def test_the_watchdog_names_the_neighbour_that_died_first() -> None:
+    # Rank 2 dies; rank 1 notices, reports and ends (MPI_Abort) before this rank's watchdog
+    # has waited out its second: the report must still name rank 2, not rank 1.
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    second = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = process_identity()
+        identities = [me, [first.pid, _identity_of(first.pid), me[2]],
+                      [second.pid, _identity_of(second.pid), me[2]]]
+        failures: list[tuple[int, str]] = []
+        watchdog = Watchdog(0, identities, lambda: 0,
+                            lambda rank, why: failures.append((rank, why)), timeout_s=0.0)
+        second.kill()
+        second.wait()
+        watchdog.start()
+        time.sleep(0.5)  # the watchdog has seen rank 2 gone, not yet stuck for a second
+        first.kill()
+        first.wait()
+        deadline = time.monotonic() + 10
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.02)
+        watchdog.stop()
+        assert [rank for rank, _ in failures] == [2], failures
+        assert f"pid {second.pid}" in failures[0][1]
+    finally:
+        for child in (first, second):
+            child.kill()
+            child.wait()
