@@ -61,9 +61,6 @@ def _run(tmp_path: pathlib.Path, body: str, np: int, env: dict[str, str] | None 
         if (tmp_path / f"rank.{r}.log").exists() else ""
         for r in range(np)
     ]
-    if not any(logs):
-        pytest.fail(f"no rank wrote anything (exit {result.returncode}); mpirun said:\n"
-                    f"{result.stderr}", pytrace=False)
     return result.returncode, logs, elapsed
 
 
