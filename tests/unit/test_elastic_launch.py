@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from baguahvd import elastic_launch, run
 from baguahvd.common import elastic_protocol as protocol
+from baguahvd.runner import cli, elastic
+from baguahvd.runner.hosts import Host, same_host
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -93,11 +94,11 @@ def _plain_machine(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeMpirun:
     mpirun = FakeMpirun(tmp_path)
-    monkeypatch.setattr(run, "find_mpirun", lambda env: str(mpirun.path))
-    monkeypatch.setattr(run, "probe_mpirun", lambda path: 5)
+    monkeypatch.setattr(cli, "find_mpirun", lambda env: str(mpirun.path))
+    monkeypatch.setattr(cli, "probe_mpirun", lambda path: 5)
     monkeypatch.setenv("FAKE_MPIRUN_STEPS", str(mpirun.steps_file))
     monkeypatch.setenv("FAKE_MPIRUN_LOG", str(mpirun.log_file))
-    monkeypatch.setenv(elastic_launch.POLL_SECONDS_ENV, "0.05")
+    monkeypatch.setenv(elastic.POLL_SECONDS_ENV, "0.05")
     return mpirun
 
 
@@ -124,7 +125,7 @@ def test_failed_launch_is_restarted_with_the_same_folder(
     fake: FakeMpirun, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake.script(1, 1, 0)
-    assert run.main(["--elastic", "-np", "2", "python", "train.py"]) == 0
+    assert cli.main(["--elastic", "-np", "2", "python", "train.py"]) == 0
     launches = fake.launches()
     assert [launch["env"][protocol.RESTART_ENV] for launch in launches] == ["0", "1", "2"]
     folders = {launch["env"][protocol.ELASTIC_DIR_ENV] for launch in launches}
@@ -154,7 +155,7 @@ def test_gives_up_after_max_restarts_with_the_job_status(
     fake: FakeMpirun, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake.script(3, 3, 3, 0)
-    assert run.main(["--elastic", "--max-restarts", "2", "-np", "1", "python"]) == 3
+    assert cli.main(["--elastic", "--max-restarts", "2", "-np", "1", "python"]) == 3
     assert len(fake.launches()) == 3
     err = capsys.readouterr().err
     assert "launch 3 failed with status 3; giving up after 2 restarts (--max-restarts 2)" in err
@@ -165,13 +166,13 @@ def test_gives_up_after_max_restarts_with_the_job_status(
 
 def test_no_restart_at_all(fake: FakeMpirun) -> None:
     fake.script(9, 0)
-    assert run.main(["--elastic", "--max-restarts", "0", "-np", "1", "python"]) == 9
+    assert cli.main(["--elastic", "--max-restarts", "0", "-np", "1", "python"]) == 9
     assert len(fake.launches()) == 1
 
 
 def test_resize_exit_is_not_a_failure(fake: FakeMpirun, capsys: pytest.CaptureFixture[str]) -> None:
     fake.script(protocol.RESIZE_EXIT_CODE, protocol.RESIZE_EXIT_CODE, 1, 0)
-    assert run.main(["--elastic", "--max-restarts", "1", "-np", "2", "python"]) == 0
+    assert cli.main(["--elastic", "--max-restarts", "1", "-np", "2", "python"]) == 0
     assert len(fake.launches()) == 4
     err = capsys.readouterr().err
     assert "launch 1 stopped for a host change (status 75); relaunching on the new hosts" in err
@@ -183,7 +184,7 @@ def test_reset_limit_counts_every_relaunch(
     fake: FakeMpirun, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake.script(protocol.RESIZE_EXIT_CODE, 1, 0)
-    assert run.main(["--elastic", "--reset-limit", "1", "-np", "2", "python"]) == 1
+    assert cli.main(["--elastic", "--reset-limit", "1", "-np", "2", "python"]) == 1
     assert len(fake.launches()) == 2
     assert "launch 2 failed with status 1; not relaunching: --reset-limit 1 reached" in (
         capsys.readouterr().err
@@ -195,20 +196,20 @@ def test_checkpoint_dir_is_created_kept_and_cleared_of_old_notices(
 ) -> None:
     folder = tmp_path / "state" / "job"
     fake.script(0)
-    assert run.main(["--checkpoint-dir", str(folder), "--elastic", "-np", "1", "python"]) == 0
+    assert cli.main(["--checkpoint-dir", str(folder), "--elastic", "-np", "1", "python"]) == 0
     assert folder.is_dir()
     assert fake.launches()[0]["env"][protocol.ELASTIC_DIR_ENV] == str(folder)
     (folder / protocol.HOSTS_NOTICE_FILE).write_text('{"version": 7}')
     (folder / "commit.pt").write_text("state")
     fake.script(0)
-    assert run.main(["--checkpoint-dir", str(folder), "--elastic", "-np", "1", "python"]) == 0
+    assert cli.main(["--checkpoint-dir", str(folder), "--elastic", "-np", "1", "python"]) == 0
     assert not (folder / protocol.HOSTS_NOTICE_FILE).exists()
     assert (folder / "commit.pt").read_text() == "state"
 
 
 def test_sigterm_is_forwarded_and_ends_the_job(fake: FakeMpirun) -> None:
     fake.script({"signal_launcher": int(signal.SIGTERM), "sleep": 30}, 0)
-    assert run.main(["--elastic", "-np", "1", "python"]) == 128 + signal.SIGTERM
+    assert cli.main(["--elastic", "-np", "1", "python"]) == 128 + signal.SIGTERM
     assert fake.launches() == [], "the fake mpirun was killed before it logged anything"
     assert json.loads(fake.steps_file.read_text()) == [{"status": 0}], "no relaunch"
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the handler is restored"
@@ -221,7 +222,7 @@ def test_hostfile_is_read_again_before_every_launch(fake: FakeMpirun, tmp_path: 
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost slots=2\n")
     fake.script({"status": 1, "write": {str(hostfile): "localhost slots=2\nnode2 slots=2\n"}}, 0)
-    assert run.main(["--elastic", "--hostfile", str(hostfile), "python"]) == 0
+    assert cli.main(["--elastic", "--hostfile", str(hostfile), "python"]) == 0
     first, second = (launch["argv"] for launch in fake.launches())
     assert (option(first, "-H"), option(first, "-np")) == ("localhost:2", "2")
     assert (option(second, "-H"), option(second, "-np")) == ("localhost:2,node2:2", "4")
@@ -249,7 +250,7 @@ def test_discovery_changes_are_announced_to_the_ranks(
         0,
     )
     argv = ["--host-discovery-script", script, "--slots-per-host", "2", "--max-np", "5", "python"]
-    assert run.main(argv) == 0
+    assert cli.main(argv) == 0
     launches = fake.launches()
     assert [launch["env"][protocol.HOSTS_VERSION_ENV] for launch in launches] == [
         "0",
@@ -283,7 +284,7 @@ def test_discovery_failure_while_running_keeps_the_hosts(
     hosts.write_text("localhost:2\n")
     script = executable(tmp_path / "discover", f"#!/bin/sh\ncat {hosts}\n")
     fake.script({"write": {str(hosts): "error: no cluster\n"}, "sleep": 0.4, "status": 1}, 0)
-    assert run.main(["--host-discovery-script", script, "python"]) == 0
+    assert cli.main(["--host-discovery-script", script, "python"]) == 0
     err = capsys.readouterr().err
     assert "warning: --host-discovery-script" in err and "printed 'error: no cluster'" in err
     assert "keeping the hosts localhost:2" in err
@@ -294,7 +295,7 @@ def test_discovery_failure_before_the_first_launch_is_an_error(
     fake: FakeMpirun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     script = executable(tmp_path / "discover", "#!/bin/sh\necho down >&2\nexit 4\n")
-    assert run.main(["--host-discovery-script", script, "python"]) == 1
+    assert cli.main(["--host-discovery-script", script, "python"]) == 1
     assert "exited with status 4: down" in capsys.readouterr().err
     assert fake.launches() == []
 
@@ -308,7 +309,7 @@ def test_min_np_waits_for_slots(fake: FakeMpirun, tmp_path: Path) -> None:
     )
     fake.script(0)
     argv = ["--host-discovery-script", script, "--min-np", "2", "--elastic-timeout", "20"]
-    assert run.main([*argv, "python"]) == 0
+    assert cli.main([*argv, "python"]) == 0
     assert option(fake.launches()[0]["argv"], "-np") == "3"
 
 
@@ -317,7 +318,7 @@ def test_min_np_times_out_with_the_numbers(
 ) -> None:
     script = executable(tmp_path / "discover", "#!/bin/sh\necho localhost:1\n")
     argv = ["--host-discovery-script", script, "--min-np", "2", "--elastic-timeout", "0.3"]
-    assert run.main([*argv, "python"]) == 1
+    assert cli.main([*argv, "python"]) == 1
     err = capsys.readouterr().err
     assert (
         "error: --min-np 2 needs at least 2 slots but only 1 available (localhost:1) after "
@@ -337,7 +338,7 @@ def test_failed_host_is_left_out_for_the_cooldown(
     )
     fake.script({"status": 137, "stderr": report}, 0)
     argv = ["--elastic", "-H", "node1:2,node2:2", "--min-np", "2"]
-    assert run.main([*argv, "--blacklist-cooldown-range", "30", "60", "python"]) == 0
+    assert cli.main([*argv, "--blacklist-cooldown-range", "30", "60", "python"]) == 0
     first, second = (launch["argv"] for launch in fake.launches())
     assert (option(first, "-H"), option(first, "-np")) == ("node1:2,node2:2", "4")
     assert (option(second, "-H"), option(second, "-np")) == ("node1:2", "2")
@@ -346,7 +347,7 @@ def test_failed_host_is_left_out_for_the_cooldown(
     assert re.search(r"leaving host node2 out for \d+\.\d s", err)
 
     fake.script({"status": 137, "stderr": report}, 0)
-    assert run.main([*argv, "python"]) == 0
+    assert cli.main([*argv, "python"]) == 0
     assert option(fake.launches()[-1]["argv"], "-H") == "node1:2,node2:2", "no cooldown range"
 
 
@@ -355,43 +356,43 @@ def test_failed_nodes_in_open_mpi_reports() -> None:
         "prterun noticed that process rank 1 with PID 29917 on node vm exited on\n"
         "signal 9 (Killed).\n"
     )
-    assert elastic_launch.failed_nodes(open_mpi_5) == ["vm"]
+    assert elastic.failed_nodes(open_mpi_5) == ["vm"]
     open_mpi_4 = (
         "mpirun noticed that process rank 0 with PID 0 on node gpu-7.cluster exited on "
         "signal 11 (Segmentation fault).\n"
         "mpirun noticed that process rank 2 with PID 0 on node\ngpu-9.\n"
     )
-    assert elastic_launch.failed_nodes(open_mpi_4) == ["gpu-7.cluster", "gpu-9"]
+    assert elastic.failed_nodes(open_mpi_4) == ["gpu-7.cluster", "gpu-9"]
     lost = (
         "ORTE has lost communication with a remote daemon.\n  Remote daemon: [[1,0],2] on node n3\n"
     )
-    assert elastic_launch.failed_nodes(lost) == ["n3"]
+    assert elastic.failed_nodes(lost) == ["n3"]
     exit_code = "   Process name: [prterun-vm-29998@1,1]\n   Exit code:    3\n"
-    assert elastic_launch.failed_nodes(exit_code) == []
+    assert elastic.failed_nodes(exit_code) == []
 
 
 def test_same_host() -> None:
-    assert elastic_launch.same_host("node1", "node1.cluster")
-    assert elastic_launch.same_host("localhost", "127.0.0.1")
-    assert not elastic_launch.same_host("node1", "node2")
+    assert same_host("node1", "node1.cluster")
+    assert same_host("localhost", "127.0.0.1")
+    assert not same_host("node1", "node2")
 
 
 def test_parse_discovered_hosts() -> None:
-    parse = elastic_launch.parse_discovered_hosts
-    assert parse("a\n\n b:3 \na:2\n", 4, "s") == [run.Host("a", 6), run.Host("b", 3)]
+    parse = elastic.parse_discovered_hosts
+    assert parse("a\n\n b:3 \na:2\n", 4, "s") == [Host("a", 6), Host("b", 3)]
     assert parse("", 1, "s") == []
     for garbage in ("a b\n", "a:0\n", "a:x\n", "Traceback (most recent call last):\n"):
-        with pytest.raises(elastic_launch.HostDiscoveryError, match="expected one 'host'"):
+        with pytest.raises(elastic.HostDiscoveryError, match="expected one 'host'"):
             parse(garbage, 1, "--host-discovery-script 's'")
 
 
 def test_host_change() -> None:
-    def hosts(text: str) -> list[run.Host]:
-        return elastic_launch.parse_discovered_hosts(text, 1, "s")
+    def hosts(text: str) -> list[Host]:
+        return elastic.parse_discovered_hosts(text, 1, "s")
 
-    assert elastic_launch.host_change(hosts("a:2"), hosts("a:3")) == protocol.HOSTS_ADDED
-    assert elastic_launch.host_change(hosts("a\nb"), hosts("b")) == protocol.HOSTS_REMOVED
-    assert elastic_launch.host_change(hosts("a"), hosts("b")) == protocol.HOSTS_MIXED
+    assert elastic.host_change(hosts("a:2"), hosts("a:3")) == protocol.HOSTS_ADDED
+    assert elastic.host_change(hosts("a\nb"), hosts("b")) == protocol.HOSTS_REMOVED
+    assert elastic.host_change(hosts("a"), hosts("b")) == protocol.HOSTS_MIXED
 
 
 @pytest.mark.parametrize(
@@ -415,9 +416,7 @@ def test_launch_size(
     size: int | None,
 ) -> None:
     assert (
-        elastic_launch.launch_size(
-            total, first=first, num_proc=num_proc, min_np=min_np, max_np=max_np
-        )
+        elastic.launch_size(total, first=first, num_proc=num_proc, min_np=min_np, max_np=max_np)
         == size
     )
 
@@ -441,7 +440,7 @@ def test_launch_size(
 def test_elastic_flags_need_elastic(
     flags: list[str], name: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert run.main(["-np", "2", *flags, "python"]) == 2
+    assert cli.main(["-np", "2", *flags, "python"]) == 2
     assert f"error: {name} only applies to elastic jobs; add --elastic" in capsys.readouterr().err
 
 
@@ -462,7 +461,7 @@ def test_elastic_flags_need_elastic(
 def test_bad_elastic_requests(
     argv: list[str], message: str, fake: FakeMpirun, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert run.main(argv) == 2
+    assert cli.main(argv) == 2
     assert message in capsys.readouterr().err
     assert fake.launches() == []
 
@@ -470,8 +469,8 @@ def test_bad_elastic_requests(
 def test_poll_seconds_must_be_positive(
     fake: FakeMpirun, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv(elastic_launch.POLL_SECONDS_ENV, "0")
-    assert run.main(["--elastic", "-np", "1", "python"]) == 2
+    monkeypatch.setenv(elastic.POLL_SECONDS_ENV, "0")
+    assert cli.main(["--elastic", "-np", "1", "python"]) == 2
     assert "BAGUAHVD_ELASTIC_POLL_SECONDS='0' is not a positive number" in capsys.readouterr().err
 
 
@@ -480,7 +479,7 @@ def test_without_elastic_mpirun_is_still_execed(
 ) -> None:
     calls: list[list[str]] = []
     monkeypatch.setattr(os, "execvpe", lambda file, argv, env: calls.append(list(argv)))
-    assert run.main(["-np", "2", "python"]) == 0
+    assert cli.main(["-np", "2", "python"]) == 0
     assert len(calls) == 1 and fake.launches() == []
     assert "HOROVOD_ELASTIC" not in calls[0]
 
@@ -541,7 +540,7 @@ def test_program_that_cannot_start_is_not_relaunched(
     fake: FakeMpirun, capsys: pytest.CaptureFixture[str]
 ) -> None:
     fake.script({"status": 183, "stderr": OPEN_MPI_NOT_STARTED}, 0)
-    assert run.main(["--elastic", "-np", "2", "/no/such/program"]) == 183
+    assert cli.main(["--elastic", "-np", "2", "/no/such/program"]) == 183
     assert len(fake.launches()) == 1
     assert "could not start the program; not relaunching" in capsys.readouterr().err
 
@@ -556,4 +555,4 @@ def test_program_that_cannot_start_is_not_relaunched(
     ],
 )
 def test_program_not_started(text: str, expected: bool) -> None:
-    assert elastic_launch.program_not_started(text) is expected
+    assert elastic.program_not_started(text) is expected

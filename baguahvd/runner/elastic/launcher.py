@@ -1,21 +1,12 @@
-"""``baguahvdrun --elastic``: run the job again after a failure or a host change.
+"""The relaunch loop of ``baguahvdrun --elastic``: one ``mpirun`` child per launch.
 
-An elastic job is a loop of ordinary ``mpirun`` launches. Every rank of every launch learns
-where to commit its state and which launch it belongs to from the variables of
-:mod:`baguahvd.common.elastic_protocol`, so a relaunched job resumes from its last commit.
-The loop ends when a launch succeeds; a launch that fails is started again while
-``--max-restarts`` allows, and one whose ranks stopped because the host set changed
-(status :data:`~baguahvd.common.elastic_protocol.RESIZE_EXIT_CODE`) is started again at
-once on the new hosts. ``--reset-limit`` bounds the relaunches of both kinds.
-
-The hosts come from ``-H`` (fixed), ``--hostfile`` (read again before every launch) or
-``--host-discovery-script`` (run before every launch, and every second while one runs; a
-change is announced to the ranks in the notice file). Unlike ``horovodrun``, which leaves a
-failed host out for good, a host is left out only with ``--blacklist-cooldown-range``, and
-then for a while: relaunching on the same hosts is the normal way to recover here.
-
-The launcher's own messages go to stderr with a ``baguahvdrun:`` prefix, like those of
-:mod:`baguahvd.run`.
+Before each launch :class:`ElasticLauncher` reads the hosts again, waits for ``--min-np``
+slots, and starts ``mpirun`` with the variables of :mod:`baguahvd.common.elastic_protocol`
+(the shared folder, the launch index, the host set's version). While a launch runs it copies
+``mpirun``'s stderr through unchanged, keeping its end to find failed nodes, polls the
+discovery script and writes a changed host set to the notice file, and forwards SIGINT and
+SIGTERM to the launch's process group. Its own messages go to stderr with a ``baguahvdrun:``
+prefix.
 """
 
 from __future__ import annotations
@@ -35,31 +26,29 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from types import FrameType
 from typing import IO, Any
 
-from baguahvd import run as cli
 from baguahvd.common.elastic_protocol import (
     ELASTIC_DIR_ENV,
     ELASTIC_ENV,
-    HOSTS_ADDED,
-    HOSTS_MIXED,
     HOSTS_NOTICE_FILE,
-    HOSTS_REMOVED,
     HOSTS_VERSION_ENV,
     RESIZE_EXIT_CODE,
     RESTART_ENV,
 )
+from baguahvd.runner.elastic.discovery import discover_hosts, host_change
+from baguahvd.runner.elastic.settings import (
+    ElasticError,
+    ElasticSettings,
+    HostDiscoveryError,
+    NotEnoughSlotsError,
+    launch_size,
+)
+from baguahvd.runner.hosts import Host, LaunchError, format_hosts, parse_hostfile, same_host
+from baguahvd.runner.mpirun import build_command
 
-POLL_SECONDS_ENV = "BAGUAHVD_ELASTIC_POLL_SECONDS"
-"""Launcher setting: seconds between two runs of the discovery script (default 1)."""
-DEFAULT_MAX_RESTARTS = 3
-DEFAULT_ELASTIC_TIMEOUT = 600.0
-DISCOVERY_TIMEOUT_SECONDS = 30.0
-"""How long one run of ``--host-discovery-script`` may take."""
 _STDERR_TAIL_LINES = 400
-_HOST_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 # Open MPI's reports of a dead rank or daemon, matched on stderr with runs of whitespace
 # (line breaks included: Open MPI wraps its messages) folded into one space.
 _FAILED_NODE_PATTERNS = (
@@ -76,268 +65,6 @@ _NOT_STARTED_PATTERNS = (
         r"could\s+not\s+(?:access\s+or\s+)?(?:find|execute|access)\s+an\s+executable", re.IGNORECASE
     ),
 )
-
-ELASTIC_ONLY_FLAGS = (
-    ("checkpoint_dir", "--checkpoint-dir"),
-    ("min_num_proc", "--min-np"),
-    ("max_num_proc", "--max-np"),
-    ("slots_per_host", "--slots-per-host"),
-    ("elastic_timeout", "--elastic-timeout"),
-    ("reset_limit", "--reset-limit"),
-    ("blacklist_cooldown_range", "--blacklist-cooldown-range"),
-    ("max_restarts", "--max-restarts"),
-)
-"""``(attribute, flag)`` of the options that only mean something with ``--elastic``."""
-
-
-class ElasticError(RuntimeError):
-    """The elastic job cannot go on; the message says why and what to change."""
-
-
-class HostDiscoveryError(ElasticError):
-    """The host file or discovery script did not give a usable host list."""
-
-
-class NotEnoughSlotsError(ElasticError):
-    """Fewer slots than ``--min-np`` stayed available for ``--elastic-timeout`` seconds."""
-
-
-def is_elastic(args: argparse.Namespace) -> bool:
-    """Whether the command line asks for an elastic job.
-
-    Args:
-        args: the parsed command line of ``baguahvdrun``.
-
-    Returns:
-        True with ``--elastic`` or ``--host-discovery-script`` (which implies it).
-    """
-    return bool(args.elastic or args.host_discovery_script is not None)
-
-
-def check_elastic_flags(args: argparse.Namespace) -> None:
-    """Rejects the elastic-only flags of a job that is not elastic.
-
-    Args:
-        args: the parsed command line of ``baguahvdrun``.
-
-    Raises:
-        LaunchError: such a flag was given without ``--elastic``; the message names it.
-    """
-    if is_elastic(args):
-        return
-    for attribute, flag in ELASTIC_ONLY_FLAGS:
-        if getattr(args, attribute, None) is not None:
-            raise cli.LaunchError(
-                f"{flag} only applies to elastic jobs; add --elastic (or --host-discovery-script)"
-            )
-
-
-@dataclass(frozen=True)
-class ElasticSettings:
-    """What an elastic job was asked for, checked. Build it with :meth:`from_args`."""
-
-    fixed_hosts: tuple[cli.Host, ...] | None
-    """The hosts of every launch (``-H``, or ``localhost:<np>``); ``None`` when they are read
-    from :attr:`hostfile` or :attr:`discovery_script`."""
-    hostfile: str | None
-    """``--hostfile``, read again before every launch."""
-    discovery_script: str | None
-    """``--host-discovery-script``, run before every launch and polled during one."""
-    num_proc: int | None
-    """``-np``: ranks of the first launch (default: every slot, up to :attr:`max_np`)."""
-    min_np: int
-    """Fewest ranks a launch may have (``--min-np``, default ``-np``, else 1)."""
-    min_np_flag: str
-    """The flag :attr:`min_np` came from, for messages."""
-    max_np: int | None
-    """Most ranks a launch may have (``--max-np``); ``None`` for no limit."""
-    slots_per_host: int
-    """Slots of a discovered host printed without ``:slots`` (``--slots-per-host``)."""
-    max_restarts: int
-    """Relaunches after failures before giving up (``--max-restarts``)."""
-    reset_limit: int | None
-    """Relaunches of any kind before giving up (``--reset-limit``); ``None``: no limit."""
-    timeout: float
-    """Seconds to wait for :attr:`min_np` slots before failing (``--elastic-timeout``)."""
-    cooldown: tuple[float, float] | None
-    """``--blacklist-cooldown-range``: bounds of the random time a host whose rank failed
-    is left out; ``None`` leaves no host out."""
-    checkpoint_dir: str | None
-    """``--checkpoint-dir``, kept at the end; ``None`` for a temporary folder."""
-    poll_seconds: float
-    """Seconds between two runs of the discovery script (``BAGUAHVD_ELASTIC_POLL_SECONDS``)."""
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, env: Mapping[str, str]) -> ElasticSettings:
-        """Checks the elastic command line.
-
-        Args:
-            args: the parsed command line of ``baguahvdrun``.
-            env: the launcher's environment (for ``BAGUAHVD_ELASTIC_POLL_SECONDS``).
-
-        Returns:
-            The settings.
-
-        Raises:
-            LaunchError: a flag is out of range or the flags contradict each other.
-        """
-        cli.check_request(args)
-        script = args.host_discovery_script
-        if script is not None and (args.hosts is not None or args.hostfile is not None):
-            raise cli.LaunchError(
-                "--host-discovery-script replaces -H/--hosts and --hostfile; give only one"
-            )
-        for attribute, flag, lowest in (
-            ("min_num_proc", "--min-np", 1),
-            ("max_num_proc", "--max-np", 1),
-            ("slots_per_host", "--slots-per-host", 1),
-            ("max_restarts", "--max-restarts", 0),
-            ("reset_limit", "--reset-limit", 0),
-        ):
-            value = getattr(args, attribute)
-            if value is not None and value < lowest:
-                raise cli.LaunchError(f"{flag} must be at least {lowest}, got {value}")
-        num_proc, min_np, max_np = args.num_proc, args.min_num_proc, args.max_num_proc
-        if min_np is not None and max_np is not None and min_np > max_np:
-            raise cli.LaunchError(f"--min-np {min_np} is larger than --max-np {max_np}")
-        if num_proc is not None and min_np is not None and num_proc < min_np:
-            raise cli.LaunchError(f"-np {num_proc} is smaller than --min-np {min_np}")
-        if num_proc is not None and max_np is not None and num_proc > max_np:
-            raise cli.LaunchError(f"-np {num_proc} is larger than --max-np {max_np}")
-        timeout = DEFAULT_ELASTIC_TIMEOUT if args.elastic_timeout is None else args.elastic_timeout
-        if timeout < 0:
-            raise cli.LaunchError(f"--elastic-timeout must not be negative, got {timeout:g}")
-        cooldown: tuple[float, float] | None = None
-        if args.blacklist_cooldown_range is not None:
-            low, high = args.blacklist_cooldown_range
-            if not 0 <= low <= high:
-                raise cli.LaunchError(
-                    f"--blacklist-cooldown-range {low:g} {high:g}: need 0 <= MIN <= MAX"
-                )
-            cooldown = (float(low), float(high))
-
-        fixed_hosts: tuple[cli.Host, ...] | None = None
-        if args.hosts is not None:
-            fixed_hosts = tuple(cli.parse_hosts(args.hosts))
-        elif args.hostfile is None and script is None:
-            if num_proc is None:
-                raise cli.LaunchError(
-                    "-np/--num-proc is required (or give -H/--hosts, --hostfile or "
-                    "--host-discovery-script)"
-                )
-            fixed_hosts = (cli.Host("localhost", num_proc),)
-        if fixed_hosts is not None and num_proc is not None:
-            total = sum(host.slots for host in fixed_hosts)
-            if total < num_proc:
-                raise cli.LaunchError(
-                    f"-np {num_proc} needs {num_proc} slots but the hosts provide only "
-                    f"{total} ({format_hosts(fixed_hosts)}); give more slots or a smaller -np"
-                )
-
-        poll_text = env.get(POLL_SECONDS_ENV, "").strip()
-        try:
-            poll_seconds = float(poll_text) if poll_text else 1.0
-        except ValueError:
-            poll_seconds = -1.0
-        if not poll_seconds > 0:
-            raise cli.LaunchError(f"{POLL_SECONDS_ENV}={poll_text!r} is not a positive number")
-
-        if min_np is not None:
-            min_flag = f"--min-np {min_np}"
-        elif num_proc is not None:
-            min_flag = f"-np {num_proc}"
-        else:
-            min_flag = "a launch"
-        return cls(
-            fixed_hosts=fixed_hosts,
-            hostfile=args.hostfile,
-            discovery_script=script,
-            num_proc=num_proc,
-            min_np=min_np if min_np is not None else (num_proc or 1),
-            min_np_flag=min_flag,
-            max_np=max_np,
-            slots_per_host=1 if args.slots_per_host is None else args.slots_per_host,
-            max_restarts=(DEFAULT_MAX_RESTARTS if args.max_restarts is None else args.max_restarts),
-            reset_limit=args.reset_limit,
-            timeout=float(timeout),
-            cooldown=cooldown,
-            checkpoint_dir=args.checkpoint_dir,
-            poll_seconds=poll_seconds,
-        )
-
-
-def format_hosts(hosts: Iterable[cli.Host]) -> str:
-    """Writes hosts as ``-H`` takes them (``a:2,b:1``), or ``no hosts``."""
-    return ",".join(f"{host.name}:{host.slots}" for host in hosts) or "no hosts"
-
-
-def parse_discovered_hosts(text: str, slots_per_host: int, where: str) -> list[cli.Host]:
-    """Parses a discovery script's output: one ``host`` or ``host:slots`` per line.
-
-    Args:
-        text: the script's standard output; blank lines are skipped.
-        slots_per_host: slots of a host printed without ``:slots``.
-        where: names the script in error messages.
-
-    Returns:
-        The hosts in order, with repeated names merged (their slots added up).
-
-    Raises:
-        HostDiscoveryError: a line is not a host name with optional positive slots.
-    """
-    slots: dict[str, int] = {}
-    for line in text.splitlines():
-        entry = line.strip()
-        if not entry:
-            continue
-        name, count = entry, slots_per_host
-        head, sep, tail = entry.rpartition(":")
-        if sep and tail.strip().isdigit():
-            name, count = head.strip(), int(tail)
-        if not _HOST_NAME.fullmatch(name) or count < 1:
-            raise HostDiscoveryError(
-                f"{where} printed {line!r}; expected one 'host' or 'host:slots' per line"
-            )
-        slots[name] = slots.get(name, 0) + count
-    return [cli.Host(name, count) for name, count in slots.items()]
-
-
-def discover_hosts(script: str, slots_per_host: int) -> list[cli.Host]:
-    """Runs the discovery script once and parses what it prints.
-
-    Args:
-        script: the executable (``--host-discovery-script``).
-        slots_per_host: slots of a host printed without ``:slots``.
-
-    Returns:
-        The hosts it printed.
-
-    Raises:
-        HostDiscoveryError: the script cannot be run, fails, takes longer than
-            :data:`DISCOVERY_TIMEOUT_SECONDS`, or prints something else than hosts.
-    """
-    where = f"--host-discovery-script {script!r}"
-    try:
-        answer = subprocess.run(
-            [script],
-            capture_output=True,
-            text=True,
-            timeout=DISCOVERY_TIMEOUT_SECONDS,
-            check=False,
-        )
-    except subprocess.TimeoutExpired:
-        raise HostDiscoveryError(
-            f"{where} did not finish within {DISCOVERY_TIMEOUT_SECONDS:g} s"
-        ) from None
-    except OSError as error:
-        raise HostDiscoveryError(
-            f"cannot run {where}: {error.strerror}; it must be an executable file"
-        ) from None
-    if answer.returncode != 0:
-        lines = [line for line in answer.stderr.splitlines() if line.strip()]
-        detail = f": {lines[-1].strip()}" if lines else ""
-        raise HostDiscoveryError(f"{where} exited with status {answer.returncode}{detail}")
-    return parse_discovered_hosts(answer.stdout, slots_per_host, where)
 
 
 def failed_nodes(stderr_text: str) -> list[str]:
@@ -366,62 +93,7 @@ def program_not_started(stderr_text: str) -> bool:
     return any(pattern.search(text) for pattern in _NOT_STARTED_PATTERNS)
 
 
-def same_host(first: str, second: str) -> bool:
-    """Whether two names mean the same machine: equal, equal before the first dot, or both
-    this machine (Open MPI reports ``localhost`` under the machine's own name)."""
-    if first == second or first.split(".", 1)[0] == second.split(".", 1)[0]:
-        return True
-    return cli._is_local(first) and cli._is_local(second)
-
-
-def host_change(old: Sequence[cli.Host], new: Sequence[cli.Host]) -> str:
-    """Describes a host-set change as the notice's ``result``.
-
-    Args:
-        old: the hosts before.
-        new: the hosts after; differs from ``old``.
-
-    Returns:
-        ``"added"`` when only hosts or slots were added, ``"removed"`` when only some were
-        removed, ``"mixed"`` otherwise.
-    """
-    before = {host.name: host.slots for host in old}
-    after = {host.name: host.slots for host in new}
-    grew = any(slots > before.get(name, 0) for name, slots in after.items())
-    shrank = any(slots > after.get(name, 0) for name, slots in before.items())
-    if grew and not shrank:
-        return HOSTS_ADDED
-    if shrank and not grew:
-        return HOSTS_REMOVED
-    return HOSTS_MIXED
-
-
-def launch_size(
-    total_slots: int, *, first: bool, num_proc: int | None, min_np: int, max_np: int | None
-) -> int | None:
-    """Chooses the number of ranks of a launch.
-
-    Args:
-        total_slots: slots of the hosts available now.
-        first: whether this is the job's first launch, which honours ``-np``.
-        num_proc: ``-np``, or ``None``.
-        min_np: the fewest ranks allowed.
-        max_np: the most ranks allowed, or ``None``.
-
-    Returns:
-        The number of ranks, or ``None`` while fewer than ``min_np`` slots are available.
-    """
-    if total_slots < min_np:
-        return None
-    size = total_slots
-    if first and num_proc is not None:
-        size = min(num_proc, size)
-    if max_np is not None:
-        size = min(size, max_np)
-    return max(size, min_np)
-
-
-def _slot_map(hosts: Iterable[cli.Host]) -> dict[str, int]:
+def _slot_map(hosts: Iterable[Host]) -> dict[str, int]:
     return {host.name: host.slots for host in hosts}
 
 
@@ -469,7 +141,8 @@ class ElasticLauncher:
             settings: the checked elastic settings of ``args``.
             env: the environment the ranks inherit (the launcher's).
             mpirun: the ``mpirun`` executable.
-            open_mpi_major: Open MPI's major version, for :func:`baguahvd.run.build_command`.
+            open_mpi_major: Open MPI's major version, for
+                :func:`baguahvd.runner.mpirun.build_command`.
         """
         self._args = args
         self._settings = settings
@@ -478,8 +151,8 @@ class ElasticLauncher:
         self._open_mpi_major = open_mpi_major
         self._directory = ""
         self._lock = threading.Lock()
-        self._discovered: list[cli.Host] = []
-        self._known: list[cli.Host] = []
+        self._discovered: list[Host] = []
+        self._known: list[Host] = []
         self._version = 0
         self._blacklist: dict[str, float] = {}
         self._stop = threading.Event()
@@ -564,7 +237,7 @@ class ElasticLauncher:
                 self._leave_out(failed_nodes(report))
             self._refresh_hosts(strict=False)
 
-    def _wait_for_slots(self, *, first: bool) -> tuple[list[cli.Host], int]:
+    def _wait_for_slots(self, *, first: bool) -> tuple[list[Host], int]:
         settings = self._settings
         deadline = time.monotonic() + settings.timeout
         waiting = False
@@ -597,7 +270,7 @@ class ElasticLauncher:
             self._stop.wait(min(settings.poll_seconds, remaining))
             self._refresh_hosts(strict=False)
 
-    def _launch_once(self, index: int, hosts: list[cli.Host], size: int) -> tuple[int, str]:
+    def _launch_once(self, index: int, hosts: list[Host], size: int) -> tuple[int, str]:
         """Runs one launch; returns mpirun's status and the end of its stderr."""
         env = dict(self._env)
         env[ELASTIC_ENV] = "1"
@@ -607,7 +280,7 @@ class ElasticLauncher:
         env[RESTART_ENV] = str(index)
         env[HOSTS_VERSION_ENV] = str(self._version)
         try:
-            command, child_env = cli.build_command(
+            command, child_env = build_command(
                 self._args,
                 env,
                 mpirun=self._mpirun,
@@ -615,7 +288,7 @@ class ElasticLauncher:
                 hosts=hosts,
                 num_proc=size,
             )
-        except cli.LaunchError as error:
+        except LaunchError as error:
             raise ElasticError(str(error)) from None
         if self._args.verbose:
             _say(shlex.join(command))
@@ -663,14 +336,14 @@ class ElasticLauncher:
 
     # --- hosts ----------------------------------------------------------------------------
 
-    def _read_hosts(self) -> list[cli.Host]:
+    def _read_hosts(self) -> list[Host]:
         settings = self._settings
         if settings.fixed_hosts is not None:
             return list(settings.fixed_hosts)
         if settings.hostfile is not None:
             try:
-                return cli.parse_hostfile(settings.hostfile)
-            except cli.LaunchError as error:
+                return parse_hostfile(settings.hostfile)
+            except LaunchError as error:
                 raise HostDiscoveryError(str(error)) from None
         assert settings.discovery_script is not None
         return discover_hosts(settings.discovery_script, settings.slots_per_host)
@@ -700,7 +373,7 @@ class ElasticLauncher:
                 self._discovered = hosts
                 self._note_hosts(self._usable(hosts))
 
-    def _note_hosts(self, hosts: list[cli.Host]) -> None:
+    def _note_hosts(self, hosts: list[Host]) -> None:
         """Makes ``hosts`` the current host set, announcing it to the ranks if it changed."""
         if _slot_map(hosts) == _slot_map(self._known):
             return
@@ -723,7 +396,7 @@ class ElasticLauncher:
             return
         _say(f"hosts {result}: now {format_hosts(hosts)} (hosts version {self._version})")
 
-    def _usable(self, hosts: Sequence[cli.Host]) -> list[cli.Host]:
+    def _usable(self, hosts: Sequence[Host]) -> list[Host]:
         now = time.monotonic()
         for name, until in list(self._blacklist.items()):
             if until <= now:

@@ -1,0 +1,16 @@
+"""``baguahvdrun``, the ``horovodrun``-compatible launcher, as modules in one downward order.
+
+Each module imports only those listed before it (and ``baguahvd.common``/``baguahvd._shim``);
+the launcher talks to the ranks only through their environment and the files of
+:mod:`baguahvd.common.elastic_protocol`:
+
+- :mod:`.hosts`: ``-H`` and ``--hostfile`` parsing, slots, which names mean this machine;
+- :mod:`.mpirun`: finding Open MPI's ``mpirun``, checking the request and building the
+  command and environment of one launch;
+- :mod:`.elastic`: ``--elastic`` (settings, host discovery, the relaunch loop);
+- :mod:`.cli`: the argument parser and :func:`main`, the ``baguahvdrun`` entry point.
+"""
+
+from baguahvd.runner.cli import main
+
+__all__ = ["main"]
