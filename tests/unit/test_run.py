@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from baguahvd import __version__
+from baguahvd import run as run_module
 from baguahvd._shim import shim_path
 from baguahvd.runner import cli
 from baguahvd.runner.hosts import LaunchError
@@ -411,6 +412,27 @@ def test_version_and_shim_path(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--shim-path"]) == 0
     path = capsys.readouterr().out.strip()
     assert path == shim_path() and os.path.isfile(os.path.join(path, "horovod", "__init__.py"))
+
+
+def test_entry_point_is_the_runner_main() -> None:
+    # setup.cfg's console script is baguahvd.run:main.
+    assert run_module.main is cli.main
+
+
+def test_launcher_loads_neither_torch_nor_mpi4py() -> None:
+    code = (
+        "import sys, baguahvd.run\n"
+        "print(sorted(m for m in ('torch', 'mpi4py', 'cupy') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 # --- real processes -------------------------------------------------------------------------
