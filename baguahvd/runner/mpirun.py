@@ -7,6 +7,12 @@ carries what users otherwise have to remember: ``--allow-run-as-root`` for root,
 become the ``HOROVOD_*`` variables baguahvd reads at ``init()`` (a ``BAGUAHVD_*`` variable of
 the same name, when set, is overwritten too, so that the flag wins).
 
+:func:`check_request` checks what does not depend on the hosts (a command, ``-np``, ``-x``,
+``--mpi-args``, no elastic-only flag without ``--elastic``) and :func:`resolve_request` adds
+the hosts; both raise :class:`~baguahvd.runner.hosts.LaunchError`, which the command line
+reports as a usage error. The elastic launcher builds one command per launch with the hosts
+it chose.
+
 The launcher hands its whole environment to ``mpirun``; that pass-through, not configuration,
 is why the environment is an argument here (baguahvd's settings themselves are parsed by
 ``baguahvd.common.config`` on every rank).
