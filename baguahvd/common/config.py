@@ -8,6 +8,7 @@ that reads ``os.environ``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 
@@ -46,19 +47,30 @@ def _as_number(
     default: float,
     kind: type = float,
     horovod_alias: bool = True,
+    minimum: float = 0,
 ) -> float:
+    """Reads a finite number of at least ``minimum``; ``kind=int`` also rejects fractions.
+
+    Every setting counts or times something, so inf, nan, negative values and fractions of
+    a count mean nothing: they raise ``ValueError`` naming the variable instead of being
+    rounded or clamped into something the user did not ask for.
+    """
     value = _lookup(env, name, horovod_alias)
     if value is None:
         return default
+    label = f"HOROVOD_{name}/BAGUAHVD_{name}" if horovod_alias else f"BAGUAHVD_{name}"
     try:
-        number = kind(float(value)) if kind is int else kind(value)
+        number = float(value)
     except ValueError:
-        raise ValueError(
-            f"HOROVOD_{name}/BAGUAHVD_{name}={value!r} is not a number."
-        ) from None
-    if number < 0:
-        raise ValueError(f"HOROVOD_{name}/BAGUAHVD_{name}={value!r} must not be negative.")
-    return number
+        raise ValueError(f"{label}={value!r} is not a number.") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{label}={value!r} must be a finite number.")
+    if kind is int and not number.is_integer():
+        raise ValueError(f"{label}={value!r} must be a whole number.")
+    if number < minimum:
+        bound = "negative" if minimum == 0 else f"less than {minimum:g}"
+        raise ValueError(f"{label}={value!r} must not be {bound}.")
+    return int(number) if kind is int else number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +113,9 @@ class Config:
     """Seconds before such a stall stops the job: every rank raises ``StallError`` naming
     the stalled collectives and the missing ranks (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS).
     Horovod never shuts down by default; baguahvd does, after ten minutes, so that a job
-    whose ranks went separate ways ends instead of hanging. 0 turns it off; a value below
-    the warning time also turns it off (with a warning), as in Horovod. Raise it for
+    whose ranks went separate ways ends instead of hanging. 0 turns it off. A value below
+    the warning time is rejected at ``init()`` (Horovod silently never shuts down then, which
+    is never what the setting asked for). Raise it for
     programs where one rank legitimately works alone for longer (e.g. a long evaluation
     on rank 0 while the others wait in a collective)."""
     peer_timeout_s: float = 600.0
@@ -170,7 +183,7 @@ class Config:
                 "cores."
             ) from None
         timeline = _lookup(env, "TIMELINE")
-        return cls(
+        config = cls(
             fusion_threshold=int(_as_number(env, "FUSION_THRESHOLD", cls.fusion_threshold, int)),
             cycle_time_ms=_as_number(env, "CYCLE_TIME", cls.cycle_time_ms),
             cache_capacity=int(_as_number(env, "CACHE_CAPACITY", cls.cache_capacity, int)),
@@ -210,13 +223,24 @@ class Config:
             ),
             mpi_threads_disable=_as_bool(env, "MPI_THREADS_DISABLE"),
             disable_group_fusion=_as_bool(env, "DISABLE_GROUP_FUSION"),
-            num_nccl_streams=max(1, int(_as_number(env, "NUM_NCCL_STREAMS", 1, int))),
+            num_nccl_streams=int(_as_number(env, "NUM_NCCL_STREAMS", 1, int, minimum=1)),
             thread_affinity=affinity,
             algorithm=_lookup(env, "ALGORITHM", horovod_alias=False),
-            bucket_bytes=max(
-                1, int(_as_number(env, "BUCKET_SIZE", cls.bucket_bytes, int))
+            bucket_bytes=int(
+                _as_number(env, "BUCKET_SIZE", cls.bucket_bytes, int, minimum=1)
             ),
         )
+        if (
+            not config.stall_check_disable
+            and 0 < config.stall_shutdown_time_s < config.stall_check_time_s
+        ):
+            raise ValueError(
+                f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={config.stall_shutdown_time_s:g} is less "
+                f"than HOROVOD_STALL_CHECK_TIME_SECONDS={config.stall_check_time_s:g}, so a "
+                "stall would never shut the job down; raise the shutdown time to at least the "
+                "check time, lower the check time, or set the shutdown time to 0 to turn it off."
+            )
+        return config
 
 
 def env_flag(name: str) -> bool:
