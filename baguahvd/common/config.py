@@ -247,3 +247,24 @@ def env_flag(name: str) -> bool:
     """Reads a boolean ``BAGUAHVD_<name>``/``HOROVOD_<name>`` outside of :class:`Config`
     (for switches needed before ``init()``, such as the import shim)."""
     return _as_bool(os.environ, name)
+
+
+# Where launchers put a process's rank in the job: Open MPI, PMIx (srun --mpi=pmix), MPICH's
+# PMI, horovodrun --gloo, torchrun, and Slurm's srun, in that order of precedence.
+_RANK_VARIABLES = (
+    "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "HOROVOD_RANK", "RANK", "SLURM_PROCID",
+)
+
+
+def launcher_rank(env: Mapping[str, str] | None = None) -> int | None:
+    """This process's rank as its launcher announced it, before any communication.
+
+    Returns:
+        The rank, or ``None`` when no known launcher started the process.
+    """
+    env = os.environ if env is None else env
+    for name in _RANK_VARIABLES:
+        value = env.get(name, "").strip()
+        if value.isdigit():
+            return int(value)
+    return None

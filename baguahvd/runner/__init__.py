@@ -1,6 +1,6 @@
 """``baguahvdrun``, the ``horovodrun``-compatible launcher, as modules in one downward order.
 
-Each module imports only those listed before it (and ``baguahvd.common``/``baguahvd._shim``);
+Each module imports only those listed before it (and ``baguahvd.common``);
 the launcher talks to the ranks only through their environment and the files of
 :mod:`baguahvd.common.elastic_protocol`:
 
@@ -8,7 +8,9 @@ the launcher talks to the ranks only through their environment and the files of
 - :mod:`.mpirun`: finding Open MPI's ``mpirun``, checking the request and building the
   command and environment of one launch;
 - :mod:`.elastic`: ``--elastic`` (settings, host discovery, the relaunch loop);
-- :mod:`.cli`: the argument parser and :func:`main`, the ``baguahvdrun`` entry point.
+- :mod:`.cli`: the argument parser and :func:`main`, the ``baguahvdrun`` entry point;
+- :mod:`.task` and :mod:`.api`: Horovod's Python launch API, :func:`~.api.run` (one
+  function call on every rank through ``baguahvdrun``, results returned in rank order).
 """
 
 from baguahvd.runner.cli import main

@@ -34,9 +34,9 @@ import sys
 from collections.abc import Sequence
 
 from baguahvd import __version__
-from baguahvd._shim import shim_path
 from baguahvd.common import capabilities
 from baguahvd.common.config import env_flag
+from baguahvd.common.shim import shim_path
 from baguahvd.runner.elastic.launcher import ElasticLauncher
 from baguahvd.runner.elastic.settings import (
     DEFAULT_ELASTIC_TIMEOUT,

@@ -29,7 +29,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-from baguahvd._shim import shim_path
+from baguahvd.common.shim import shim_path
 from baguahvd.runner.hosts import Host, LaunchError, is_local, parse_hostfile, parse_hosts
 
 FORWARDED_PREFIXES = ("BAGUAHVD_", "HOROVOD_")

@@ -13,7 +13,7 @@ import pytest
 
 from baguahvd import __version__
 from baguahvd import run as run_module
-from baguahvd._shim import shim_path
+from baguahvd.common.shim import shim_path
 from baguahvd.runner import cli
 from baguahvd.runner.hosts import LaunchError
 from baguahvd.runner.mpirun import MpirunNotFoundError, build_command, find_mpirun, probe_mpirun
