@@ -16,6 +16,11 @@ in a loop, and every rank resumes from the state the job last committed.
 * The launcher reads ``mpirun``'s exit status: ``0`` ends the job, :data:`RESIZE_EXIT_CODE`
   relaunches at once on the new host set without counting as a failure, anything else is a
   failure that is relaunched while ``--max-restarts`` allows.
+* Before each launch the launcher removes ``<ELASTIC_DIR>/``:data:`TRAINING_MARK_FILE`; a
+  rank creates it once it has restored the job's state and entered the training function.
+  A failed launch without it failed while starting up (an import error, an unreadable
+  commit). When two launches in a row fail that way with the same error, relaunching cannot
+  help, so the launcher ends the job with that error.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ RESTART_ENV: Final = "BAGUAHVD_ELASTIC_RESTART"
 """How many launches of the job came before this one (``0`` for the first)."""
 HOSTS_VERSION_ENV: Final = "BAGUAHVD_ELASTIC_HOSTS_VERSION"
 """The version of the host set this launch was started with (``0`` for the initial set)."""
+
+TRAINING_MARK_FILE: Final = "training.started"
+"""Created in :data:`ELASTIC_DIR_ENV`'s folder by a rank that has started training."""
 
 HOSTS_NOTICE_FILE: Final = "hosts.json"
 """Name of the host-change notice inside :data:`ELASTIC_DIR_ENV`'s folder."""

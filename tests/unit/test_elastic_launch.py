@@ -556,3 +556,72 @@ def test_program_that_cannot_start_is_not_relaunched(
 )
 def test_program_not_started(text: str, expected: bool) -> None:
     assert elastic.program_not_started(text) is expected
+
+
+# --- failures while starting up -------------------------------------------------------------
+
+IMPORT_FAILURE = (
+    "Traceback (most recent call last):\n"
+    '  File "/job/train.py", line 3, in <module>\n'
+    "    import missing_module\n"
+    "ModuleNotFoundError: No module named 'missing_module'\n"
+    "--------------------------------------------------------------------------\n"
+    "prterun detected that one or more processes exited with non-zero status, thus causing\n"
+    "the job to be terminated.\n"
+)
+
+
+def test_failure_repeating_before_training_is_not_relaunched_again(
+    fake: FakeMpirun, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake.script(
+        {"status": 1, "stderr": IMPORT_FAILURE}, {"status": 1, "stderr": IMPORT_FAILURE}, 0
+    )
+    assert cli.main(["--elastic", "--max-restarts", "5", "-np", "2", "python", "t.py"]) == 1
+    assert len(fake.launches()) == 2
+    err = capsys.readouterr().err
+    assert (
+        "launch 2 failed with status 1 before any rank started training, with the same error "
+        "as the launch before: ModuleNotFoundError: No module named 'missing_module'; "
+        "not relaunching"
+    ) in err
+
+
+def test_failure_after_training_started_is_relaunched(
+    fake: FakeMpirun, tmp_path: Path
+) -> None:
+    folder = tmp_path / "job"
+    mark = str(folder / protocol.TRAINING_MARK_FILE)
+    crash = {"status": 1, "stderr": "RuntimeError: lost the link\n"}
+    fake.script(crash, dict(crash, write={mark: ""}), crash, 0)
+    argv = ["--elastic", "--checkpoint-dir", str(folder), "-np", "2", "python", "t.py"]
+    assert cli.main(argv) == 0
+    # The second launch trained, so the third one's identical error is not a repeat of a
+    # start-up failure; the mark is removed before every launch.
+    assert len(fake.launches()) == 4
+    assert not os.path.exists(mark)
+
+
+def test_different_start_up_errors_are_relaunched(fake: FakeMpirun) -> None:
+    fake.script(
+        {"status": 1, "stderr": "OSError: [Errno 5] Input/output error\n"},
+        {"status": 1, "stderr": "ConnectionResetError: peer went away\n"},
+        0,
+    )
+    assert cli.main(["--elastic", "-np", "2", "python", "t.py"]) == 0
+    assert len(fake.launches()) == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (IMPORT_FAILURE, "ModuleNotFoundError: No module named 'missing_module'"),
+        ("[1,0]<stderr>:ValueError: bad batch\n", "ValueError: bad batch"),
+        ("baguahvd.torch.elastic.CommitError: commit-3.h.pt is damaged\n",
+         "baguahvd.torch.elastic.CommitError: commit-3.h.pt is damaged"),
+        ("KeyboardInterrupt\nKilled\n", "KeyboardInterrupt"),
+        ("prterun noticed that process rank 1 exited on signal 9 (Killed).\n", None),
+    ],
+)
+def test_last_exception(text: str, expected: str | None) -> None:
+    assert elastic.last_exception(text) == expected

@@ -28,7 +28,12 @@ from baguahvd.runner.elastic.discovery import (
     host_change,
     parse_discovered_hosts,
 )
-from baguahvd.runner.elastic.launcher import ElasticLauncher, failed_nodes, program_not_started
+from baguahvd.runner.elastic.launcher import (
+    ElasticLauncher,
+    failed_nodes,
+    last_exception,
+    program_not_started,
+)
 from baguahvd.runner.elastic.settings import (
     DEFAULT_ELASTIC_TIMEOUT,
     DEFAULT_MAX_RESTARTS,
@@ -53,6 +58,7 @@ __all__ = [
     "discover_hosts",
     "failed_nodes",
     "host_change",
+    "last_exception",
     "launch_size",
     "parse_discovered_hosts",
     "program_not_started",

@@ -36,6 +36,7 @@ from baguahvd.common.elastic_protocol import (
     HOSTS_VERSION_ENV,
     RESIZE_EXIT_CODE,
     RESTART_ENV,
+    TRAINING_MARK_FILE,
 )
 from baguahvd.runner.elastic.discovery import discover_hosts, host_change
 from baguahvd.runner.elastic.settings import (
@@ -85,6 +86,23 @@ def failed_nodes(stderr_text: str) -> list[str]:
             if name:
                 found[name] = None
     return list(found)
+
+
+# The last line of a Python traceback: "ValueError: ...", "mod.CommitError: ...", maybe
+# behind mpirun's output tag ("[1,0]<stderr>:").
+_OUTPUT_TAG = re.compile(r"^\[[^\]]*\](?:<std\w+>)?:?\s*")
+_EXCEPTION_LINE = re.compile(
+    r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b(?::.*)?$"
+)
+
+
+def last_exception(stderr_text: str) -> str | None:
+    """Returns the last Python exception line (``Type: message``) in ``mpirun``'s stderr."""
+    for raw in reversed(stderr_text.splitlines()):
+        line = _OUTPUT_TAG.sub("", raw.strip())
+        if _EXCEPTION_LINE.match(line):
+            return line
+    return None
 
 
 def program_not_started(stderr_text: str) -> bool:
@@ -189,6 +207,7 @@ class ElasticLauncher:
         launches = 0
         failures = 0
         reason = ""
+        startup_error: str | None = None  # the previous launch's, if it failed starting up
         while True:
             hosts, size = self._wait_for_slots(first=launches == 0)
             if self._signal is not None:
@@ -199,11 +218,21 @@ class ElasticLauncher:
                 self._note_hosts(hosts)
             launches += 1
             _say(f"launch {launches}{reason} on {format_hosts(hosts)} ({size} ranks)")
+            self._clear_training_mark()
             status, report = self._launch_once(launches - 1, hosts, size)
             if self._signal is not None:
                 return status if status > 0 else 128 + self._signal
             if status == 0:
                 return 0
+            error = None if self._training_started() else last_exception(report)
+            if status != RESIZE_EXIT_CODE and error is not None and error == startup_error:
+                _say(
+                    f"launch {launches} failed with status {status} before any rank started "
+                    f"training, with the same error as the launch before: {error}; "
+                    "not relaunching"
+                )
+                return status
+            startup_error = error
             what = (
                 f"stopped for a host change (status {status})"
                 if status == RESIZE_EXIT_CODE
@@ -444,6 +473,15 @@ class ElasticLauncher:
             raise ElasticError(
                 f"cannot remove the old host notice in {directory!r}: {error.strerror}"
             ) from None
+
+    def _clear_training_mark(self) -> None:
+        try:
+            os.remove(os.path.join(self._directory, TRAINING_MARK_FILE))
+        except FileNotFoundError:
+            pass
+
+    def _training_started(self) -> bool:
+        return os.path.exists(os.path.join(self._directory, TRAINING_MARK_FILE))
 
     def _finish_directory(self, status: int) -> None:
         if not self._directory or self._settings.checkpoint_dir is not None:
