@@ -12,14 +12,16 @@ commits every 10 steps), kills rank 1 with SIGKILL after the fifth commit, and r
 Run it from the repository root::
 
     python benchmarks/elastic_recovery.py [--repeats 3]
+
+The job is started, and rank 1 found and killed, by ``tests/support/jobs.py``, the module
+the end-to-end tests launch their jobs with.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import pathlib
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,7 +30,13 @@ import textwrap
 import threading
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Run as a script, this file has benchmarks/ on sys.path; the job launcher is imported from
+# the repository root (see tests/support/jobs.py).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from tests.support import jobs  # noqa: E402
+
+TIMEOUT_S = 600
+"""Bound on the whole job, and on the wait for the commit after which rank 1 is killed."""
 
 _TRAIN = """
 import json
@@ -80,71 +88,29 @@ if hvd.rank() == 0:
 """
 
 
-def _rank_pid(rank: int, folder: pathlib.Path) -> int | None:
-    wanted = [f"OMPI_COMM_WORLD_RANK={rank}".encode(), f"BAGUAHVD_ELASTIC_DIR={folder}".encode()]
-    for proc in pathlib.Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                environ = (proc / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if all(item in environ for item in wanted):
-                return int(proc.name)
-    return None
-
-
 def measure(work: pathlib.Path) -> dict[str, float]:
-    import json
-
     script = work / "train.py"
     script.write_text(textwrap.dedent(_TRAIN))
     events = work / "events.jsonl"
     folder = work / "elastic"
-    env = dict(
-        os.environ,
-        EVENTS=str(events),
-        OMP_NUM_THREADS="1",
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
-    command = [
-        sys.executable,
-        "-m",
-        "baguahvd.run",
-        "--elastic",
-        "-np",
-        "2",
-        "--checkpoint-dir",
-        str(folder),
-        sys.executable,
-        str(script),
-    ]
+    args = ["--elastic", "-np", "2", "--checkpoint-dir", str(folder), sys.executable, str(script)]
     failed_at: list[float] = []
-    job = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    with jobs.started_launcher(
+        args, work, {"EVENTS": str(events)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    ) as job:
 
-    def watch() -> None:
-        assert job.stderr is not None
-        for line in job.stderr:
-            if "launch 1 failed" in line:
-                failed_at.append(time.time())
+        def watch() -> None:
+            assert job.stderr is not None
+            for line in job.stderr:
+                if "launch 1 failed" in line:
+                    failed_at.append(time.time())
 
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    victim = None
-    while victim is None and job.poll() is None:
-        if any(folder.glob("commit-5.*.pt")):
-            victim = _rank_pid(1, folder)
-        time.sleep(0.01)
-    if victim is None:
-        raise RuntimeError("the job ended before the fifth commit")
-    killed_at = time.time()
-    os.kill(victim, signal.SIGKILL)
-    if job.wait(timeout=600) != 0:
-        raise RuntimeError(f"the elastic job failed with status {job.returncode}")
-    watcher.join(timeout=5)
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        killed_at = jobs.kill_rank_after(job, 1, folder, "commit-5.*.pt", TIMEOUT_S)
+        if job.wait(timeout=TIMEOUT_S) != 0:
+            raise RuntimeError(f"the elastic job failed with status {job.returncode}")
+        watcher.join(timeout=5)
     records = [json.loads(line) for line in events.read_text().splitlines()]
     resumed = next(r for r in records if r.get("launch") == "1")
     commit_ms = next(r["commit_ms"] for r in records if "commit_ms" in r)

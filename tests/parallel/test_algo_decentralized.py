@@ -17,6 +17,7 @@ from tests.reference.decentralized_sim import (
     simulate_decentralized,
     simulate_low_precision_decentralized,
 )
+from tests.support.tables import PEER_SELECTION_MODES
 
 STEPS = 5
 
@@ -71,7 +72,7 @@ def _simulated_models(size: int) -> tuple[list[torch.nn.Module], list[torch.opti
 
 @pytest.mark.parametrize("interval", [1, 2])
 @pytest.mark.parametrize("hierarchical", [False, True])
-@pytest.mark.parametrize("mode", ["all", "shift_one"])
+@pytest.mark.parametrize("mode", PEER_SELECTION_MODES)
 def test_decentralized_matches_simulation(
     rank: int, size: int, mode: str, hierarchical: bool, interval: int
 ):

@@ -14,18 +14,8 @@ import pytest
 import torch
 
 import baguahvd.torch as hvd
+from tests.support.tables import MOVABLE
 
-MOVABLE = [
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-]
 BROADCAST_VARIANTS = ["broadcast", "broadcast_", "broadcast_async", "broadcast_async_"]
 
 

@@ -17,15 +17,9 @@ import pytest
 import torch
 
 import baguahvd.torch as hvd
+from tests.support.tables import REDUCE_OPS, REDUCIBLE
 
-REDUCIBLE = [torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
-OPS = {
-    "Sum": hvd.Sum,
-    "Average": hvd.Average,
-    "Min": hvd.Min,
-    "Max": hvd.Max,
-    "Product": hvd.Product,
-}
+OPS = {op.name.title(): op for op in REDUCE_OPS}
 VARIANTS = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_"]
 GROUPED_VARIANTS = [
     "grouped_allreduce",

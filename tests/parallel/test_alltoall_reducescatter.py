@@ -15,19 +15,8 @@ import pytest
 import torch
 
 import baguahvd.torch as hvd
+from tests.support.tables import MOVABLE, REDUCIBLE
 
-MOVABLE = [
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-]
-REDUCIBLE = [torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
 HALF = (torch.float16, torch.bfloat16)
 
 

@@ -16,14 +16,12 @@ import torch
 import baguahvd.torch as hvd
 from baguahvd.common.exceptions import MismatchError
 from baguahvd.common.ops import ReduceOp
+from tests.support.tables import MOVABLE, REDUCE_OPS, REDUCIBLE
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-REDUCIBLE = [torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
-MOVABLE = [torch.uint8, torch.int8, torch.int16, *REDUCIBLE]
 
 
 @pytest.fixture(autouse=True)
@@ -52,8 +50,7 @@ def all_ranks(size: int, count: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", REDUCIBLE, ids=str)
 @pytest.mark.parametrize(
-    "op", [hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product],
-    ids=["sum", "average", "min", "max", "product"],
+    "op", REDUCE_OPS, ids=[op.name.lower() for op in REDUCE_OPS],
 )
 def test_allreduce(rank: int, size: int, device: torch.device, dtype: torch.dtype,
                    op: ReduceOp) -> None:

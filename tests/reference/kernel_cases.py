@@ -16,8 +16,11 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from baguahvd.kernels.layout import DTYPE_SUFFIXES
+
 REFERENCE_DIR = Path(__file__).resolve().parent
-DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {suffix: dtype for dtype, suffix in DTYPE_SUFFIXES.items()}
+"""The kernels' dtypes by the suffix of their entry points (``f32``, ...)."""
 
 
 def load_reference(name: str) -> ModuleType:

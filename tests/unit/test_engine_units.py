@@ -390,8 +390,7 @@ def _allreduce(tensors, reduce_op=ReduceOp.SUM, prescale=1.0, postscale=1.0, in_
     return [request.outputs[0] for _, request in entries]
 
 
-@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX,
-                                ReduceOp.PRODUCT])
+@pytest.mark.parametrize("op", [op for op in ReduceOp if op is not ReduceOp.ADASUM])
 def test_one_rank_reduction_is_identity(op: ReduceOp) -> None:
     x = torch.tensor([1.5, -2.0, 3.25])
     (out,) = _allreduce([x], op)

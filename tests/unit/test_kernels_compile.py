@@ -24,23 +24,12 @@ from baguahvd.kernels.sources import NVRTC_OPTIONS, SOURCE_FILES, nvrtc_source, 
 ARCHS = ("80", "90")
 WERROR = ("--Werror", "all-warnings", "-Xcompiler", "-Wall,-Wextra,-Werror")
 EXPECTED_KERNELS = {f"{k}_{s}" for k in KERNELS for s in DTYPE_SUFFIXES.values()}
+# The two passes that compute a chunk's min and max run inside the compress launcher.
+COMPRESS_PASSES = ("minmax_uint8_partial", "minmax_uint8_header")
 LAUNCHERS = {
     f"baguahvd_{k}_{s}"
-    for k in (
-        "compress_minmax_uint8",
-        "decompress_minmax_uint8",
-        "decompress_add_minmax_uint8",
-        "decompress_reduce_minmax_uint8",
-        "reduce_chunks",
-        "average_inplace",
-        "add_inplace",
-        "subtract_inplace",
-        "addmul_inplace",
-        "scale_inplace",
-        "divide_inplace",
-        "async_model_average",
-        "lowprec_decentralized_diff",
-    )
+    for k in KERNELS
+    if k not in COMPRESS_PASSES
     for s in DTYPE_SUFFIXES.values()
 } | {"baguahvd_minmax_uint8_workspace_bytes"}
 

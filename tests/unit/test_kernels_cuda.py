@@ -32,6 +32,7 @@ def _load_cases():
 
 cases = _load_cases()
 DTYPES = list(cases.DTYPES.items())
+KERNEL_DTYPES = list(K.DTYPE_SUFFIXES)
 CASES = [
     *cases.compress_cases(),
     ("large_1", torch.randn(3_000_001, generator=torch.Generator().manual_seed(1)), 1),
@@ -70,7 +71,7 @@ def test_compress_decompress_match_torch(name, values, n_chunks, dtype_name, dty
     _assert_same(decoded.cpu(), reference)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_target_chunk_and_fused_ops_match_torch(dtype):
     n, chunk = 6, 50_001
     x = (torch.randn(n * chunk) * 1e-2).to(dtype)
@@ -98,7 +99,7 @@ def test_target_chunk_and_fused_ops_match_torch(dtype):
     _assert_same(inplace[2 * chunk : 3 * chunk].cpu(), K.reduce_chunks(x, n))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize(
     "fn,n_tensors,scalars",
     [

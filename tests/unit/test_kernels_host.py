@@ -33,6 +33,7 @@ def _load_cases():
 
 cases = _load_cases()
 DTYPES = list(cases.DTYPES.items())
+KERNEL_DTYPES = list(K.DTYPE_SUFFIXES)
 CASES = list(cases.compress_cases())
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
@@ -131,7 +132,7 @@ def test_compress_and_decompress_match_torch(runner, name, values, n_chunks, dty
     _assert_same(decoded, K.decompress_minmax_uint8(expected, n_chunks, numel, dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_target_chunk_matches_torch(runner, dtype):
     x = torch.randn(1003).to(dtype)
     expected = K.compress_minmax_uint8(x, 5, target_chunk=4)
@@ -139,7 +140,7 @@ def test_target_chunk_matches_torch(runner, dtype):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("n_chunks", [1, 2, 3, 5, 6, 7, 9, 12, 16, 19, 32, 45])
 def test_reductions_match_torch(runner, dtype, n_chunks):
     g = torch.Generator().manual_seed(n_chunks)
@@ -166,7 +167,7 @@ def test_reductions_match_torch(runner, dtype, n_chunks):
         _assert_same(got, expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("numel,n_chunks", [(1000, 1), (1001, 4), (3, 8)])
 def test_decompress_add_matches_torch(runner, dtype, numel, n_chunks):
     diff = (torch.randn(numel) * 1e-2).to(dtype)
@@ -194,7 +195,7 @@ def _inputs(dtype: torch.dtype, n: int = 2048) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize(
     "op,fn,n_tensors,scalar",
     [

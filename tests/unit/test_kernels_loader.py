@@ -19,6 +19,8 @@ import baguahvd.kernels as K
 from baguahvd.kernels import cuda as cuda_mod
 from baguahvd.kernels.sources import NVRTC_OPTIONS, nvrtc_source
 
+KERNEL_DTYPES = list(K.DTYPE_SUFFIXES)
+
 pytestmark = pytest.mark.bookkeeping
 
 _SIGNATURE = re.compile(
@@ -59,7 +61,7 @@ def signatures() -> dict[str, tuple[str, list[str]]]:
     found = {}
     for bounds, name, params in _SIGNATURE.findall(text):
         found[name] = (bounds.strip(), [_param_kind(p) for p in params.split(",")])
-    assert len(found) == 3 * len(cuda_mod.KERNELS)
+    assert len(found) == len(K.DTYPE_SUFFIXES) * len(cuda_mod.KERNELS)
     return found
 
 
@@ -118,7 +120,7 @@ def fake(monkeypatch):
     return SimpleNamespace(rec=rec, cupy=cupy, loader=loader, kernels=kernels)
 
 
-_STORAGE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+_STORAGE_BYTES = {suffix: dtype.itemsize for dtype, suffix in K.DTYPE_SUFFIXES.items()}
 
 
 def _check_calls(rec: _Recorder, signatures, cupy) -> None:
@@ -168,7 +170,7 @@ def test_missing_cupy_is_reported_once_and_gives_none(monkeypatch, caplog):
     assert sum("CuPy is not installed" in r.message for r in caplog.records) == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize(
     "numel,n_chunks,target",
     [(1000, 4, None), (1001, 4, 3), (0, 2, None), (5, 8, None), (300_000, 1, None)],
@@ -196,7 +198,7 @@ def test_compress_launches_match_the_signatures(fake, signatures, dtype, numel, 
     assert int(codes[3][5]) == layout.slot_bytes
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_other_launches_match_the_signatures(fake, signatures, dtype):
     n, chunk = 3, 100
     x = torch.zeros(n * chunk, dtype=dtype)
@@ -224,7 +226,7 @@ def test_every_public_elementwise_op_has_a_kernel(signatures):
     from baguahvd.kernels import ops
 
     for op in ops._TORCH_OPS:
-        for sfx in ("f32", "f16", "bf16"):
+        for sfx in K.DTYPE_SUFFIXES.values():
             assert f"{op}_{sfx}" in signatures
 
 

@@ -1,7 +1,8 @@
 """Reliability and observability parts that need no MPI: end-of-job notices, the stall
 inspector's reports, the watchdog's liveness checks, the timeline file and the log lines.
 
-The multi-rank behaviour (a stall, a failing or killed rank) is in ``tests/test_reliability.py``.
+The multi-rank behaviour (a stall, a failing or killed rank) is in
+``tests/e2e/test_reliability.py``.
 """
 
 from __future__ import annotations

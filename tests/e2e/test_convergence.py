@@ -38,8 +38,9 @@ from typing import Any
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-DIGITS = ROOT / "examples" / "pytorch_digits.py"
+from tests.support import jobs
+
+DIGITS = jobs.ROOT / "examples" / "pytorch_digits.py"
 SEED = 42
 EPOCHS = 8
 ADAM_EPOCHS = 10
@@ -109,20 +110,17 @@ def drive(selected: list[str]) -> None:
 @pytest.fixture(scope="module")
 def accuracy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, float]:
     """Runs every configuration in one launch; prints and returns the accuracies."""
-    from tests.test_parallel import launch
-
     tmp_path = tmp_path_factory.mktemp("convergence")
-    started = time.monotonic()
-    result = launch([str(pathlib.Path(__file__).resolve())], 2, tmp_path, TIMEOUT_S)
+    result = jobs.launch([str(pathlib.Path(__file__).resolve())], 2, tmp_path, TIMEOUT_S)
     if result.returncode != 0:
         pytest.fail(f"the runs failed (exit {result.returncode})\n{result.stderr}\n"
                     f"{result.stdout}", pytrace=False)
-    output = (tmp_path / "rank.0.log").read_text(errors="replace")
+    output = result.logs[0]
     found = {label: float(value) for label, value in RESULT.findall(output)}
     missing = [run.label for run in RUNS if run.label not in found]
     assert not missing, f"no result for {missing}:\n{result.stdout[-5000:]}"
     print(f"\ndigits example, 2 ranks, seed {SEED} "
-          f"({time.monotonic() - started:.0f} s for all runs):\n{table(found)}")
+          f"({result.elapsed_s:.0f} s for all runs):\n{table(found)}")
     return found
 
 

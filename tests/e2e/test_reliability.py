@@ -1,6 +1,6 @@
 """Jobs that go wrong end, quickly and with the reason, instead of hanging.
 
-Each test runs a whole script under mpirun (``launch`` from the parallel driver collects every
+Each test runs a whole script under mpirun (:func:`tests.support.jobs.launch` collects every
 rank's log) and bounds the job's duration twice: a hard timeout on the launch (a hang fails
 with the logs attached) and an assertion on the measured time. The scripts print markers
 that the assertions look for.
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.test_parallel import launch
+from tests.support import jobs
 
 # A hang fails the test after this long; the jobs themselves end much sooner.
 HARD_TIMEOUT_S = 150
@@ -53,19 +53,12 @@ def _run(tmp_path: pathlib.Path, body: str, np: int, env: dict[str, str] | None 
     log and the job's duration in seconds."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(_PRELUDE) + textwrap.dedent(body))
-    start = time.monotonic()
-    result = launch([str(script)], np, tmp_path, HARD_TIMEOUT_S, extra_env=env)
-    elapsed = time.monotonic() - start
-    logs = [
-        (tmp_path / f"rank.{r}.log").read_text(errors="replace")
-        if (tmp_path / f"rank.{r}.log").exists() else ""
-        for r in range(np)
-    ]
-    return result.returncode, logs, elapsed
+    result = jobs.launch([str(script)], np, tmp_path, HARD_TIMEOUT_S, extra_env=env)
+    return result.returncode, result.logs, result.elapsed_s
 
 
 def _dump(logs: list[str]) -> str:
-    return "".join(f"\n===== rank {r} =====\n{log[-6000:]}" for r, log in enumerate(logs))
+    return jobs.format_logs(logs, tail=6000)
 
 
 # ---------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from tests.test_parallel import launch
+from tests.support.jobs import launch
 
 TIMEOUT_S = 60
 

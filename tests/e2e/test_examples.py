@@ -10,17 +10,14 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.test_parallel import launch
+from tests.support import jobs
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
+EXAMPLES = jobs.ROOT / "examples"
 DIGITS = EXAMPLES / "pytorch_digits.py"
 BENCHMARK = EXAMPLES / "pytorch_synthetic_benchmark.py"
 ELASTIC = EXAMPLES / "pytorch_digits_elastic.py"
@@ -51,13 +48,13 @@ def run(
     extra_env: dict[str, str] | None = None,
 ) -> str:
     """Runs ``script`` on two ranks; returns rank 0's output, failing on any error."""
-    result = launch([str(script), *args], 2, tmp_path, TIMEOUT_S, extra_env)
+    result = jobs.launch([str(script), *args], 2, tmp_path, TIMEOUT_S, extra_env)
     if result.returncode != 0:
         pytest.fail(
             f"{script.name} failed (exit {result.returncode})\n{result.stderr}\n{result.stdout}",
             pytrace=False,
         )
-    return (tmp_path / "rank.0.log").read_text(errors="replace")
+    return result.logs[0]
 
 
 def as_horovod_script(source: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
@@ -123,73 +120,16 @@ def test_synthetic_benchmark(tmp_path: pathlib.Path) -> None:
     assert "Algorithm: gradient_allreduce" in output
 
 
-def launcher_env() -> dict[str, str]:
-    """The environment for running ``baguahvdrun`` from a test (as root, one thread a rank)."""
-    env = dict(os.environ)
-    env.update(
-        OMP_NUM_THREADS="1",
-        OMPI_MCA_mpi_yield_when_idle="1",
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
-    )
-    return env
-
-
-def _rank_pid(rank: int, elastic_dir: pathlib.Path) -> int | None:
-    """The pid of ``rank`` of the elastic job using ``elastic_dir``, from /proc."""
-    wanted = [
-        f"OMPI_COMM_WORLD_RANK={rank}".encode(),
-        f"BAGUAHVD_ELASTIC_DIR={elastic_dir}".encode(),
-    ]
-    for proc in pathlib.Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            environ = (proc / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if all(item in environ for item in wanted):
-            return int(proc.name)
-    return None
-
-
 def test_digits_elastic_survives_kill_9(tmp_path: pathlib.Path) -> None:
     elastic_dir = tmp_path / "elastic"
-    env = launcher_env()
-    command = [
-        sys.executable,
-        "-m",
-        "baguahvd.run",
-        "--elastic",
-        "-np",
-        "2",
-        "--checkpoint-dir",
-        str(elastic_dir),
-        sys.executable,
-        str(ELASTIC),
-        "--epochs",
-        "4",
-        "--batches-per-commit",
-        "5",
+    args = [
+        "--elastic", "-np", "2", "--checkpoint-dir", str(elastic_dir),
+        sys.executable, str(ELASTIC), "--epochs", "4", "--batches-per-commit", "5",
     ]
-    with subprocess.Popen(
-        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as job:
-        try:
-            # Kill rank 1 once the job has committed a few times, i.e. mid-training.
-            deadline = time.monotonic() + TIMEOUT_S
-            victim = None
-            while victim is None and time.monotonic() < deadline and job.poll() is None:
-                if any(elastic_dir.glob("commit-[3-9].*.pt")):
-                    victim = _rank_pid(1, elastic_dir)
-                time.sleep(0.05)
-            assert victim is not None, "the job ended or never committed"
-            os.kill(victim, signal.SIGKILL)
-            output, _ = job.communicate(timeout=TIMEOUT_S)
-        except BaseException:
-            job.kill()
-            raise
+    with jobs.started_launcher(args, tmp_path) as job:
+        # Kill rank 1 once the job has committed a few times, i.e. mid-training.
+        jobs.kill_rank_after(job, 1, elastic_dir, "commit-[3-9].*.pt", TIMEOUT_S)
+        output, _ = job.communicate(timeout=TIMEOUT_S)
     assert job.returncode == 0, output
     assert "launch 1 failed" in output and "restart 1 of 3" in output, output
     assert accuracy(output) >= 0.85, output[-3000:]
@@ -199,21 +139,10 @@ def test_digits_elastic_survives_kill_9(tmp_path: pathlib.Path) -> None:
 # As unmodified Horovod scripts, through the shim
 
 
-def shim_path() -> str:
-    result = subprocess.run(
-        [sys.executable, "-m", "baguahvd.run", "--shim-path"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return result.stdout.strip()
-
-
 def test_digits_as_horovod(tmp_path: pathlib.Path) -> None:
     script = as_horovod_script(DIGITS, tmp_path)
-    shim = shim_path()
-    pythonpath = os.pathsep.join([shim, str(ROOT), os.environ.get("PYTHONPATH", "")])
+    shim = jobs.shim_path()
+    pythonpath = os.pathsep.join([shim, str(jobs.ROOT), os.environ.get("PYTHONPATH", "")])
     # Two epochs: this run is about the API, the accuracy is checked on baguahvd above.
     args = ["--epochs", "2", "--log-interval", "5"]
     output = run(script, args, tmp_path, {"PYTHONPATH": pythonpath})
@@ -228,29 +157,10 @@ def run_as_horovod(
     """Runs ``source``, its import switched to Horovod's, through ``baguahvdrun --as-horovod``
     on two ranks; returns stdout, failing on any error."""
     script = as_horovod_script(source, tmp_path)
-    env = launcher_env()
-    command = [
-        sys.executable,
-        "-m",
-        "baguahvd.run",
-        "--as-horovod",
-        *launcher_args,
-        "-np",
-        "2",
-        sys.executable,
-        str(script),
-        *args,
-    ]
-    try:
-        result = subprocess.run(
-            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-        )
-    except subprocess.TimeoutExpired as error:
-        pytest.fail(
-            f"timed out after {TIMEOUT_S} s:\n{error.stdout!r}\n{error.stderr!r}", pytrace=False
-        )
+    args = ["--as-horovod", *launcher_args, "-np", "2", sys.executable, str(script), *args]
+    result = jobs.run_launcher(args, tmp_path, TIMEOUT_S)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"horovod.torch from {shim_path()}" in result.stdout
+    assert f"horovod.torch from {jobs.shim_path()}" in result.stdout
     return result.stdout
 
 
@@ -274,7 +184,8 @@ def real_horovod_available() -> bool:
         "import horovod.torch, sys; sys.exit(1 if hasattr(horovod, '__baguahvd_version__') else 0)"
     )
     result = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, cwd=pathlib.Path("/")
+        [sys.executable, "-c", probe], env=env, capture_output=True, cwd=pathlib.Path("/"),
+        timeout=120,
     )
     return result.returncode == 0
 

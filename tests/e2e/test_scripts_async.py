@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from tests.test_parallel import launch
+from tests.support.jobs import launch
 
 TIMEOUT_S = 120
 EXIT_LATENCY_S = 15.0  # from the end of a rank's script to its last atexit handler

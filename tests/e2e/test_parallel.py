@@ -1,0 +1,37 @@
+"""Launches every ``tests/parallel/test_*.py`` under ``mpirun -np 2`` and ``-np 3``.
+
+Each rank runs the same pytest session; the launch fails if any rank fails, hangs past the
+timeout, or dies, and the failure message carries every rank's output.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+from tests.support import jobs
+
+PARALLEL = sorted(p.name for p in (jobs.ROOT / "tests" / "parallel").glob("test_*.py"))
+TIMEOUT_S = int(os.environ.get("BAGUAHVD_TEST_TIMEOUT", "300"))
+
+
+@pytest.mark.parallel
+@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("module", PARALLEL)
+def test_parallel(module: str, np: int, tmp_path: pathlib.Path) -> None:
+    result = jobs.launch(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "--timeout", "120",
+         f"tests/parallel/{module}"],
+        np,
+        tmp_path,
+        TIMEOUT_S,
+        extra_env={jobs.PARALLEL_WORKER_ENV: "1"},
+    )
+    if result.returncode != 0:
+        pytest.fail(
+            f"{module} failed at -np {np} (exit {result.returncode})\n{result.stderr}\n"
+            f"{result.stdout}",
+            pytrace=False,
+        )

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (and, for launching jobs, the benchmarks)."""
