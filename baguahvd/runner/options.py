@@ -228,7 +228,9 @@ def mpirun_options(
         nics = ",".join(args.nics)
         options += ["-mca", "btl_tcp_if_include", nics]
         if prrte:
-            options += ["--prtemca", "prte_if_include", nics]
+            # PRRTE 5.0 crashes (SIGSEGV in mpirun) when prte_if_include lists several
+            # interface names; its out-of-band channel needs only one.
+            options += ["--prtemca", "prte_if_include", args.nics[0]]
         else:
             options += ["-mca", "oob_tcp_if_include", nics]
     if args.prefix_output_with_timestamp:
