@@ -1,10 +1,11 @@
 """``baguahvdrun``: launch a training script on several ranks, like ``horovodrun``.
 
-It accepts ``horovodrun``'s common flags, turns the tuning flags into the ``HOROVOD_*``
-variables baguahvd reads at ``init()``, and replaces itself with an Open MPI ``mpirun``
-command carrying what users otherwise have to remember: ``--allow-run-as-root`` for root,
-``--oversubscribe`` when more local slots than cores are asked for, ``--bind-to none``,
-``--map-by slot``, ``-H`` and ``-x`` for every variable the ranks need::
+It accepts every ``horovodrun`` option (:mod:`baguahvd.runner.arguments`), turns the tuning
+flags into the ``HOROVOD_*`` variables baguahvd reads at ``init()``, and replaces itself
+with an Open MPI ``mpirun`` command carrying what users otherwise have to remember:
+``--allow-run-as-root`` for root, ``--oversubscribe`` when more local slots than cores are
+asked for, ``--bind-to none``, ``--map-by slot``, ``-H`` and ``-x`` for every variable the
+ranks need::
 
     baguahvdrun -np 4 python train.py
     baguahvdrun -np 8 -H node1:4,node2:4 --fusion-threshold-mb 32 python train.py
@@ -19,9 +20,11 @@ run ``export PYTHONPATH=$(python -m baguahvd.run --shim-path):$PYTHONPATH`` firs
 With ``--elastic`` (or ``--host-discovery-script``) the launcher stays and runs ``mpirun`` as
 a child, again after a failure or a host change: see :mod:`baguahvd.runner.elastic`.
 
-This module parses the command line and dispatches: the hosts are read by
-:mod:`baguahvd.runner.hosts`, the command is built by :mod:`baguahvd.runner.mpirun`, and an
-elastic job is run by :mod:`baguahvd.runner.elastic`.
+This module parses the command line (with ``--config-file``) and dispatches: the hosts are
+read by :mod:`baguahvd.runner.hosts` or found by :mod:`baguahvd.runner.allocation`, the
+command is built by :mod:`baguahvd.runner.mpirun`, and an elastic job is run by
+:mod:`baguahvd.runner.elastic`. Options that have no effect here print a one-line note to
+stderr; ``--gloo`` exits with status 2, since the Gloo controller is not available yet.
 """
 
 from __future__ import annotations
@@ -37,12 +40,10 @@ from baguahvd import __version__
 from baguahvd.common import capabilities
 from baguahvd.common.config import env_flag
 from baguahvd.common.shim import shim_path
+from baguahvd.runner.arguments import make_parser
+from baguahvd.runner.configfile import apply_config, read_config
 from baguahvd.runner.elastic.launcher import ElasticLauncher
-from baguahvd.runner.elastic.settings import (
-    DEFAULT_ELASTIC_TIMEOUT,
-    DEFAULT_MAX_RESTARTS,
-    ElasticSettings,
-)
+from baguahvd.runner.elastic.settings import ElasticSettings
 from baguahvd.runner.hosts import LaunchError
 from baguahvd.runner.mpirun import (
     MpirunNotFoundError,
@@ -52,8 +53,14 @@ from baguahvd.runner.mpirun import (
     probe_mpirun,
     resolve_request,
 )
+from baguahvd.runner.options import launch_notes
 
-LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
+__all__ = ["check_build_table", "main", "make_parser", "parse_args"]
+
+GLOO_UNAVAILABLE = (
+    "the Gloo controller (--gloo, or 'controller: gloo' in --config-file) is not available "
+    "in this baguahvd yet; drop it to launch with MPI (the default)"
+)
 
 
 def check_build_table() -> str:
@@ -86,218 +93,6 @@ def check_build_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def make_parser() -> argparse.ArgumentParser:
-    """Returns the argument parser of ``baguahvdrun``."""
-    parser = argparse.ArgumentParser(
-        prog="baguahvdrun",
-        description="Launch a baguahvd (or, with --as-horovod, Horovod) training script "
-        "on several ranks through Open MPI's mpirun.",
-        allow_abbrev=False,
-    )
-    parser.add_argument("-v", "--version", action="version", version=__version__)
-    parser.add_argument(
-        "-cb",
-        "--check-build",
-        action="store_true",
-        help="print which frameworks, controllers and tensor operations are available",
-    )
-    parser.add_argument(
-        "--shim-path",
-        action="store_true",
-        help="print the folder that makes `import horovod` load baguahvd when put on "
-        "PYTHONPATH, and exit",
-    )
-    parser.add_argument(
-        "-np", "--num-proc", type=int, dest="num_proc", metavar="N", help="number of ranks"
-    )
-    hosts = parser.add_mutually_exclusive_group()
-    hosts.add_argument(
-        "-H",
-        "--hosts",
-        metavar="HOSTS",
-        help="hosts and their slots, host1:2,host2:4 (default localhost:<np>)",
-    )
-    hosts.add_argument(
-        "-hostfile", "--hostfile", metavar="FILE", help="file with one 'hostname slots=N' per line"
-    )
-
-    tuning = parser.add_argument_group("tuning (exported as HOROVOD_* variables)")
-    tuning.add_argument(
-        "--fusion-threshold-mb",
-        type=float,
-        metavar="MB",
-        help="fusion buffer in MiB (HOROVOD_FUSION_THRESHOLD)",
-    )
-    tuning.add_argument(
-        "--cycle-time-ms",
-        type=float,
-        metavar="MS",
-        help="cycle time in milliseconds (HOROVOD_CYCLE_TIME)",
-    )
-    tuning.add_argument(
-        "--cache-capacity",
-        type=int,
-        metavar="N",
-        help="response cache entries (HOROVOD_CACHE_CAPACITY)",
-    )
-    tuning.add_argument(
-        "--hierarchical-allreduce",
-        action="store_true",
-        help="HOROVOD_HIERARCHICAL_ALLREDUCE=1",
-    )
-    tuning.add_argument(
-        "--hierarchical-allgather",
-        action="store_true",
-        help="HOROVOD_HIERARCHICAL_ALLGATHER=1",
-    )
-    tuning.add_argument(
-        "--algorithm",
-        metavar="NAME",
-        help="default communication algorithm of DistributedOptimizer (BAGUAHVD_ALGORITHM)",
-    )
-
-    timeline = parser.add_argument_group("timeline")
-    timeline.add_argument(
-        "--timeline-filename", metavar="FILE", help="timeline JSON file (HOROVOD_TIMELINE)"
-    )
-    timeline.add_argument(
-        "--timeline-mark-cycles", action="store_true", help="HOROVOD_TIMELINE_MARK_CYCLES=1"
-    )
-
-    stall = parser.add_argument_group("stall check")
-    stall.add_argument(
-        "--no-stall-check", action="store_true", help="HOROVOD_STALL_CHECK_DISABLE=1"
-    )
-    stall.add_argument(
-        "--stall-check-warning-time-seconds",
-        type=float,
-        metavar="S",
-        help="HOROVOD_STALL_CHECK_TIME_SECONDS",
-    )
-    stall.add_argument(
-        "--stall-check-shutdown-time-seconds",
-        type=float,
-        metavar="S",
-        help="HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
-    )
-
-    logs = parser.add_argument_group("logging and output")
-    logs.add_argument(
-        "--log-level",
-        type=str.lower,
-        choices=LOG_LEVELS,
-        metavar="LEVEL",
-        help=f"HOROVOD_LOG_LEVEL: one of {', '.join(LOG_LEVELS)} (case-insensitive)",
-    )
-    logs.add_argument(
-        "--log-without-timestamp", action="store_true", help="HOROVOD_LOG_HIDE_TIME=1"
-    )
-    logs.add_argument(
-        "--output-filename",
-        metavar="DIR",
-        help="folder for each rank's stdout and stderr (mpirun's output)",
-    )
-    logs.add_argument(
-        "--verbose", action="store_true", help="print the mpirun command line before running it"
-    )
-
-    mpi = parser.add_argument_group("MPI")
-    mpi.add_argument(
-        "--mpi-threads-disable", action="store_true", help="HOROVOD_MPI_THREADS_DISABLE=1"
-    )
-    mpi.add_argument(
-        "--mpi-args", metavar="ARGS", help='extra mpirun arguments, e.g. "--mca btl tcp,self"'
-    )
-    mpi.add_argument(
-        "-x",
-        action="append",
-        dest="env_vars",
-        metavar="VAR[=VALUE]",
-        help="export VAR (set to VALUE if given) to the ranks; repeatable, like mpirun -x",
-    )
-    mpi.add_argument(
-        "--as-horovod",
-        action="store_true",
-        help="make `import horovod.torch` load baguahvd.torch on the ranks "
-        "(default: BAGUAHVD_AS_HOROVOD)",
-    )
-    _add_elastic_arguments(parser)
-    parser.add_argument(
-        "command", nargs=argparse.REMAINDER, help="the program to run and its arguments"
-    )
-    return parser
-
-
-def _add_elastic_arguments(parser: argparse.ArgumentParser) -> None:
-    elastic = parser.add_argument_group(
-        "elastic training (relaunch the job after a failure or a host change)"
-    )
-    elastic.add_argument(
-        "--elastic",
-        action="store_true",
-        help="relaunch the job when it fails or its hosts change; the ranks resume from "
-        "their last commit",
-    )
-    elastic.add_argument(
-        "--host-discovery-script",
-        metavar="SCRIPT",
-        help="executable printing one 'host' or 'host:slots' per line, run before every "
-        "launch and every second during one; implies --elastic",
-    )
-    elastic.add_argument(
-        "--checkpoint-dir",
-        metavar="DIR",
-        help="folder for the ranks' commits and host notices, kept at the end (default: a "
-        "temporary folder, removed after success)",
-    )
-    elastic.add_argument(
-        "--min-np",
-        type=int,
-        dest="min_num_proc",
-        metavar="N",
-        help="fewest ranks of a launch (default -np, else 1)",
-    )
-    elastic.add_argument(
-        "--max-np",
-        type=int,
-        dest="max_num_proc",
-        metavar="N",
-        help="most ranks of a launch (default: every available slot)",
-    )
-    elastic.add_argument(
-        "--slots-per-host",
-        type=int,
-        metavar="N",
-        help="slots of a discovered host printed without :slots (default 1)",
-    )
-    elastic.add_argument(
-        "--max-restarts",
-        type=int,
-        metavar="N",
-        help=f"relaunches after failures before giving up (default {DEFAULT_MAX_RESTARTS})",
-    )
-    elastic.add_argument(
-        "--reset-limit",
-        type=int,
-        metavar="N",
-        help="relaunches of any kind before giving up (default: no limit)",
-    )
-    elastic.add_argument(
-        "--elastic-timeout",
-        type=float,
-        metavar="S",
-        help=f"seconds to wait for --min-np slots (default {DEFAULT_ELASTIC_TIMEOUT:g})",
-    )
-    elastic.add_argument(
-        "--blacklist-cooldown-range",
-        type=float,
-        nargs=2,
-        metavar=("MIN", "MAX"),
-        help="leave a host where a rank failed out for a random MIN..MAX seconds "
-        "(default: never leave a host out)",
-    )
-
-
 def parse_args(
     argv: Sequence[str] | None = None, parser: argparse.ArgumentParser | None = None
 ) -> argparse.Namespace:
@@ -305,6 +100,8 @@ def parse_args(
 
     ``--as-horovod`` defaults to ``BAGUAHVD_AS_HOROVOD``/``HOROVOD_AS_HOROVOD``, read here
     so that :func:`~baguahvd.runner.mpirun.build_command` depends on its arguments only.
+    ``--config-file`` is read here too: its settings fill what the command line left unset,
+    and its notes (ignored keys) are kept in ``config_notes``.
 
     Args:
         argv: the arguments without the program name (default ``sys.argv[1:]``).
@@ -317,12 +114,29 @@ def parse_args(
     args = parser.parse_args(argv)
     if args.command[:1] == ["--"]:
         args.command = args.command[1:]
+    args.config_notes = []
+    if args.config_file is not None:
+        try:
+            args.config_notes = apply_config(args, read_config(args.config_file))
+        except LaunchError as error:
+            parser.error(str(error))
     if not args.as_horovod:
         try:
             args.as_horovod = env_flag("AS_HOROVOD")
         except ValueError as error:
             parser.error(str(error))
     return args
+
+
+def _print_notes(
+    args: argparse.Namespace, env: dict[str, str], open_mpi_major: int | None
+) -> None:
+    try:
+        notes = args.config_notes + launch_notes(args, env, open_mpi_major)
+    except LaunchError as error:  # already reported by the request checks
+        notes = [str(error)]
+    for note in notes:
+        print(f"baguahvdrun: note: {note}", file=sys.stderr)
 
 
 def _warn_if_shadowing(args: argparse.Namespace) -> None:
@@ -371,20 +185,25 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.shim_path:
         print(shim_path())
         return 0
+    if args.use_gloo:
+        print(f"baguahvdrun: error: {GLOO_UNAVAILABLE}", file=sys.stderr)
+        return 2
     env = dict(os.environ)
     if is_elastic(args):
         return _launch_elastic(parser, args, env)
     try:
-        resolve_request(args)  # usage errors come before looking for mpirun
+        resolve_request(args, env)  # usage errors come before looking for mpirun
         mpirun = find_mpirun(env)
+        open_mpi_major = probe_mpirun(mpirun)
         command, child_env = build_command(
-            args, env, mpirun=mpirun, open_mpi_major=probe_mpirun(mpirun)
+            args, env, mpirun=mpirun, open_mpi_major=open_mpi_major
         )
     except LaunchError as error:
         parser.error(str(error))
     except MpirunNotFoundError as error:
         print(f"baguahvdrun: error: {error}", file=sys.stderr)
         return 1
+    _print_notes(args, env, open_mpi_major)
     _warn_if_shadowing(args)
     if args.verbose:
         print(shlex.join(command), file=sys.stderr)
@@ -410,6 +229,7 @@ def _launch_elastic(
     except MpirunNotFoundError as error:
         print(f"baguahvdrun: error: {error}", file=sys.stderr)
         return 1
+    _print_notes(args, env, open_mpi_major)
     _warn_if_shadowing(args)
     launcher = ElasticLauncher(args, settings, env, mpirun=mpirun, open_mpi_major=open_mpi_major)
     return launcher.run()

@@ -5,10 +5,15 @@ carries what users otherwise have to remember: ``--allow-run-as-root`` for root,
 ``--oversubscribe`` when more local slots than cores are asked for, ``--bind-to none``,
 ``--map-by slot``, ``-H`` and ``-x`` for every variable the ranks need. The tuning flags
 become the ``HOROVOD_*`` variables baguahvd reads at ``init()`` (a ``BAGUAHVD_*`` variable of
-the same name, when set, is overwritten too, so that the flag wins).
+the same name, when set, is overwritten too, so that the flag wins), and the multi-node
+flags become Open MPI settings: see :mod:`baguahvd.runner.options`.
+
+Without ``-H``/``--hostfile`` the hosts are those of the job's allocation (Slurm, PBS, LSF,
+an Open MPI default host file: :mod:`baguahvd.runner.allocation`), else ``localhost:<np>``.
 
 :func:`check_request` checks what does not depend on the hosts (a command, ``-np``, ``-x``,
-``--mpi-args``, no elastic-only flag without ``--elastic``) and :func:`resolve_request` adds
+``--mpi-args``, the option values, no elastic-only flag without ``--elastic``) and
+:func:`resolve_request` adds
 the hosts; both raise :class:`~baguahvd.runner.hosts.LaunchError`, which the command line
 reports as a usage error. The elastic launcher builds one command per launch with the hosts
 it chose.
@@ -30,7 +35,15 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from baguahvd.common.shim import shim_path
+from baguahvd.runner.allocation import detect_allocation
 from baguahvd.runner.hosts import Host, LaunchError, is_local, parse_hostfile, parse_hosts
+from baguahvd.runner.options import (
+    binding_options,
+    check_options,
+    mpirun_options,
+    rank_variables,
+    start_timeout,
+)
 
 FORWARDED_PREFIXES = ("BAGUAHVD_", "HOROVOD_")
 """Variables with these prefixes are always exported to the ranks."""
@@ -104,47 +117,6 @@ def probe_mpirun(mpirun: str) -> int | None:
     )
 
 
-def _export(env: dict[str, str], name: str, value: str) -> None:
-    """Sets ``HOROVOD_<name>``, and ``BAGUAHVD_<name>`` if set, so that the flag wins."""
-    env[f"HOROVOD_{name}"] = value
-    if f"BAGUAHVD_{name}" in env:
-        env[f"BAGUAHVD_{name}"] = value
-
-
-def _number(value: float) -> str:
-    return f"{value:g}"
-
-
-def _tuning_variables(args: argparse.Namespace, env: dict[str, str]) -> None:
-    if args.fusion_threshold_mb is not None:
-        _export(env, "FUSION_THRESHOLD", str(int(args.fusion_threshold_mb * 1024 * 1024)))
-    if args.cycle_time_ms is not None:
-        _export(env, "CYCLE_TIME", _number(args.cycle_time_ms))
-    if args.cache_capacity is not None:
-        _export(env, "CACHE_CAPACITY", str(args.cache_capacity))
-    if args.timeline_filename is not None:
-        _export(env, "TIMELINE", args.timeline_filename)
-    if args.stall_check_warning_time_seconds is not None:
-        _export(env, "STALL_CHECK_TIME_SECONDS", _number(args.stall_check_warning_time_seconds))
-    if args.stall_check_shutdown_time_seconds is not None:
-        _export(env, "STALL_SHUTDOWN_TIME_SECONDS", _number(args.stall_check_shutdown_time_seconds))
-    if args.log_level is not None:
-        _export(env, "LOG_LEVEL", args.log_level)
-    switches = (
-        (args.timeline_mark_cycles, "TIMELINE_MARK_CYCLES"),
-        (args.no_stall_check, "STALL_CHECK_DISABLE"),
-        (args.hierarchical_allreduce, "HIERARCHICAL_ALLREDUCE"),
-        (args.hierarchical_allgather, "HIERARCHICAL_ALLGATHER"),
-        (args.mpi_threads_disable, "MPI_THREADS_DISABLE"),
-        (args.log_without_timestamp, "LOG_HIDE_TIME"),
-    )
-    for enabled, name in switches:
-        if enabled:
-            _export(env, name, "1")
-    if args.algorithm is not None:
-        env["BAGUAHVD_ALGORITHM"] = args.algorithm
-
-
 def _prepend_path(current: str | None, entry: str) -> str:
     rest = [part for part in (current or "").split(os.pathsep) if part and part != entry]
     return os.pathsep.join([entry, *rest])
@@ -200,7 +172,8 @@ def check_request(args: argparse.Namespace) -> None:
         args: the parsed command line (see :func:`baguahvd.runner.cli.parse_args`).
 
     Raises:
-        LaunchError: no command, ``-np`` below 1, malformed ``-x`` or ``--mpi-args``, or an
+        LaunchError: no command, ``-np`` below 1, malformed ``-x`` or ``--mpi-args``, an
+            option value :func:`~baguahvd.runner.options.check_options` rejects, or an
             elastic-only flag without ``--elastic``.
     """
     if not args.command:
@@ -212,41 +185,55 @@ def check_request(args: argparse.Namespace) -> None:
         if not _VAR_NAME.fullmatch(name):
             raise LaunchError(f"-x {spec!r}: {name!r} is not a variable name; use -x NAME[=VALUE]")
     _mpi_args(args)
+    check_options(args)
     check_elastic_flags(args)
 
 
-def resolve_request(args: argparse.Namespace) -> tuple[list[Host], int]:
+def resolve_request(
+    args: argparse.Namespace, env: Mapping[str, str]
+) -> tuple[list[Host], int]:
     """Checks that the parsed command line describes a launch, and returns where it runs.
 
     Args:
         args: the parsed command line (see :func:`baguahvd.runner.cli.parse_args`).
+        env: the launcher's environment, where a batch system's allocation is found.
 
     Returns:
-        The hosts (``localhost:<np>`` unless ``-H``/``--hostfile`` was given) and the number
-        of ranks (all slots of the hosts when ``-np`` was not given).
+        The hosts and the number of ranks (all slots of the hosts when ``-np`` was not
+        given). The hosts are ``-H``/``--hostfile`` when given, else the allocation's
+        (see :func:`~baguahvd.runner.allocation.detect_allocation`), else
+        ``localhost:<np>``.
 
     Raises:
         LaunchError: what :func:`check_request` rejects, fewer slots than ranks, or
-            malformed hosts.
+            malformed hosts or allocation variables.
     """
     check_request(args)
+    start_timeout(args, env)
+    where = "the hosts provide"
     if args.hosts is not None:
         hosts = parse_hosts(args.hosts)
     elif args.hostfile is not None:
         hosts = parse_hostfile(args.hostfile)
-    elif args.num_proc is not None:
-        hosts = [Host("localhost", args.num_proc)]
     else:
-        raise LaunchError("-np/--num-proc is required (or give -H/--hosts or --hostfile)")
-    return hosts, _check_slots(hosts, args.num_proc)
+        allocation = detect_allocation(env)
+        if allocation is not None:
+            hosts, where = list(allocation.hosts), f"the {allocation.source} allocation provides"
+        elif args.num_proc is not None:
+            hosts = [Host("localhost", args.num_proc)]
+        else:
+            raise LaunchError("-np/--num-proc is required (or give -H/--hosts or --hostfile)")
+    return hosts, _check_slots(hosts, args.num_proc, where)
 
 
-def _check_slots(hosts: Sequence[Host], num_proc: int | None) -> int:
+def _check_slots(
+    hosts: Sequence[Host], num_proc: int | None, where: str = "the hosts provide"
+) -> int:
     total_slots = sum(host.slots for host in hosts)
     num_proc = total_slots if num_proc is None else num_proc
     if total_slots < num_proc:
         raise LaunchError(
-            f"-np {num_proc} needs {num_proc} slots but the hosts provide only {total_slots} "
+            f"-np {num_proc} needs {num_proc} slots but {where} only {total_slots} "
             f"({','.join(f'{host.name}:{host.slots}' for host in hosts)}); give more slots "
             "(host:slots) or a smaller -np"
         )
@@ -294,13 +281,12 @@ def build_command(
         MpirunNotFoundError: ``mpirun`` is ``None`` and none can be found.
     """
     if hosts is None:
-        hosts, num_proc = resolve_request(args)
+        hosts, num_proc = resolve_request(args, env)
     else:
         check_request(args)
         num_proc = _check_slots(hosts, num_proc)
     out_env = dict(env)
-    _tuning_variables(args, out_env)
-    user_names: list[str] = []
+    user_names = rank_variables(args, out_env)
     for spec in args.env_vars or ():
         name, sep, value = spec.partition("=")
         if sep:
@@ -315,7 +301,7 @@ def build_command(
         command.append("--allow-run-as-root")
     command += ["-np", str(num_proc)]
     command += ["-H", ",".join(f"{host.name}:{host.slots}" for host in hosts)]
-    command += ["--bind-to", "none", "--map-by", "slot"]
+    command += binding_options(args)
     local_slots = sum(host.slots for host in hosts if is_local(host.name))
     if local_slots > (os.cpu_count() or 1):
         command.append("--oversubscribe")
@@ -324,6 +310,7 @@ def build_command(
             command += ["--output", f"dir={args.output_filename}"]
         else:
             command += ["--output-filename", args.output_filename]
+    command += mpirun_options(args, env, open_mpi_major)
     forwarded = sorted(
         name for name in out_env if name.startswith(FORWARDED_PREFIXES) or name in FORWARDED_NAMES
     )

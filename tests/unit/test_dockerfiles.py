@@ -131,3 +131,42 @@ def test_copied_and_mentioned_paths_exist() -> None:
 def test_each_dockerfile_keeps_the_venv_and_git_out_of_the_context(name: str) -> None:
     ignored = (DOCKER / f"{name}.dockerignore").read_text().split()
     assert {".git", ".venv"} <= set(ignored)
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_each_image_can_be_a_remote_host(name: str) -> None:
+    instructions = _instructions(name)
+    runs = " ".join(rest for keyword, rest in instructions if keyword == "RUN")
+    assert re.search(r"apt-get install [^&]*\bopenssh-server\b", runs)
+    assert re.search(r"apt-get install [^&]*\bopenssh-client\b", runs)
+    assert "mkdir -p /run/sshd" in runs, "sshd refuses to start without its privsep folder"
+    assert "/etc/ssh/sshd_config.d/" in runs and "/etc/ssh/ssh_config.d/" in runs
+    for setting in ("Port ${SSH_PORT}", "StrictModes no", "PasswordAuthentication no"):
+        assert f'"{setting}"' in runs, setting
+    assert '"    StrictHostKeyChecking no"' in runs
+    assert ("EXPOSE", "${SSH_PORT}") in instructions
+    assert {"CONTAINER_USER", "USER_UID", "SSH_PORT"} <= _args(name)
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_the_container_user_is_a_build_argument(name: str) -> None:
+    instructions = _instructions(name)
+    users = [rest for keyword, rest in instructions if keyword == "USER"]
+    assert users == ["${CONTAINER_USER}"]
+    default = next(rest for keyword, rest in instructions
+                   if keyword == "ARG" and rest.startswith("CONTAINER_USER="))
+    assert default == "CONTAINER_USER=root", "the default image keeps running as root"
+    runs = " ".join(rest for keyword, rest in instructions if keyword == "RUN")
+    assert 'useradd --create-home --uid "${USER_UID}"' in runs
+    assert re.search(r'chown -R "\$\{CONTAINER_USER\}" /etc/ssh/baguahvd', runs), (
+        "sshd running as the user must read its host key"
+    )
+    # USER comes after every RUN, so that the build itself still runs as root.
+    last_run = max(i for i, (keyword, _) in enumerate(instructions) if keyword == "RUN")
+    assert [keyword for keyword, _ in instructions].index("USER") > last_run
+
+
+def test_readme_documents_remote_hosts() -> None:
+    assert "/usr/sbin/sshd -D -e" in README
+    assert "--build-arg CONTAINER_USER=" in README
+    assert "examples/kubernetes/" in README and "examples/slurm/" in README

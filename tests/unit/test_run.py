@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -15,11 +16,21 @@ from baguahvd import __version__
 from baguahvd import run as run_module
 from baguahvd.common.shim import shim_path
 from baguahvd.runner import cli
+from baguahvd.runner.allocation import MPI_HOSTFILE_VARIABLES
 from baguahvd.runner.hosts import LaunchError
 from baguahvd.runner.mpirun import MpirunNotFoundError, build_command, find_mpirun, probe_mpirun
 
 REPO = Path(__file__).resolve().parents[2]
 MPIRUN = "/opt/mpi/bin/mpirun"
+ALLOCATION_VARIABLES = (
+    *MPI_HOSTFILE_VARIABLES,
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "PBS_NODEFILE",
+    "LSB_MCPU_HOSTS",
+    "LSB_DJOB_HOSTFILE",
+    "HOROVOD_START_TIMEOUT",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -29,6 +40,8 @@ def _plain_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 8)
     monkeypatch.delenv("BAGUAHVD_AS_HOROVOD", raising=False)
     monkeypatch.delenv("HOROVOD_AS_HOROVOD", raising=False)
+    for name in ALLOCATION_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
 
 
 def build(
@@ -505,3 +518,402 @@ def test_as_horovod_makes_horovod_torch_baguahvd_torch() -> None:
     if result.returncode == 77:
         pytest.skip("baguahvd.torch is not complete yet (no init or a missing submodule)")
     assert result.returncode == 0, result.stderr
+
+
+# --- horovodrun's other options -------------------------------------------------------------
+
+HOROVODRUN_OPTIONS = (
+    ["-v"],
+    ["--version"],
+    ["-cb"],
+    ["--check-build"],
+    ["--disable-cache"],
+    ["--start-timeout", "30"],
+    ["--network-interfaces", "eth0,eth1"],
+    ["--network-interface", "eth0"],
+    ["--output-filename", "logs"],
+    ["--verbose"],
+    ["--config-file", "CONFIG"],
+    ["-p", "2222"],
+    ["--ssh-port", "2222"],
+    ["-i", "/keys/id"],
+    ["--ssh-identity-file", "/keys/id"],
+    ["--fusion-threshold-mb", "32"],
+    ["--cycle-time-ms", "2"],
+    ["--cache-capacity", "10"],
+    ["--hierarchical-allreduce"],
+    ["--no-hierarchical-allreduce"],
+    ["--hierarchical-allgather"],
+    ["--no-hierarchical-allgather"],
+    ["--autotune"],
+    ["--no-autotune"],
+    ["--autotune-log-file", "at.csv"],
+    ["--autotune-warmup-samples", "3"],
+    ["--autotune-steps-per-sample", "10"],
+    ["--autotune-bayes-opt-max-samples", "20"],
+    ["--autotune-gaussian-process-noise", "0.8"],
+    ["--min-np", "1", "--elastic"],
+    ["--min-num-proc", "1", "--elastic"],
+    ["--max-np", "4", "--elastic"],
+    ["--max-num-proc", "4", "--elastic"],
+    ["--slots-per-host", "2", "--elastic"],
+    ["--elastic-timeout", "60", "--elastic"],
+    ["--reset-limit", "3", "--elastic"],
+    ["--blacklist-cooldown-range", "10", "100", "--elastic"],
+    ["--timeline-filename", "tl.json"],
+    ["--timeline-mark-cycles"],
+    ["--no-timeline-mark-cycles"],
+    ["--no-stall-check"],
+    ["--stall-check"],
+    ["--stall-check-warning-time-seconds", "60"],
+    ["--stall-check-shutdown-time-seconds", "120"],
+    ["--mpi-threads-disable"],
+    ["--no-mpi-threads-disable"],
+    ["--mpi-args=--report-bindings"],
+    ["--tcp"],
+    ["--binding-args=--bind-to core"],
+    ["--num-nccl-streams", "2"],
+    ["--thread-affinity", "0"],
+    ["--gloo-timeout-seconds", "30"],
+    ["--log-level", "INFO"],
+    ["--log-with-timestamp"],
+    ["--log-without-timestamp"],
+    ["-prefix-timestamp"],
+    ["--prefix-output-with-timestamp"],
+    ["--log-hide-timestamp"],
+    ["--no-log-hide-timestamp"],
+    ["-H", "localhost:2"],
+    ["--hosts", "localhost:2"],
+    ["-hostfile", "HOSTFILE"],
+    ["--hostfile", "HOSTFILE"],
+    ["--host-discovery-script", "DISCOVER"],
+    ["--mpi"],
+    ["--jsrun"],
+)
+"""Every option of ``horovodrun`` 0.28.1 but ``-h`` and ``--gloo`` (tested on their own),
+in each of its spellings, with a value it accepts."""
+
+
+@pytest.mark.parametrize("flags", HOROVODRUN_OPTIONS, ids=lambda flags: flags[0])
+def test_every_horovodrun_option_is_accepted(
+    flags: list[str],
+    tmp_path: Path,
+    exec_calls: list[tuple[str, list[str], dict[str, str]]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("yaml")
+    config = tmp_path / "config.yaml"
+    config.write_text("params:\n  cache_capacity: 5\n")
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:2\n")
+    discover.chmod(0o755)
+    names = {"CONFIG": str(config), "HOSTFILE": str(hostfile), "DISCOVER": str(discover)}
+    argv = [names.get(word, word) for word in flags]
+    monkeypatch.setattr(cli, "_launch_elastic", lambda parser, args, env: 0)
+    assert cli.main(["-np", "2", *argv, "python", "train.py"]) == 0
+    assert "error" not in capsys.readouterr().err
+
+
+def test_gloo_is_refused_with_a_note(
+    exec_calls: list[tuple[str, list[str], dict[str, str]]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["-np", "2", "--gloo", "python", "train.py"]) == 2
+    assert "Gloo controller" in capsys.readouterr().err and not exec_calls
+    assert cli.main(["-np", "2", "--gloo", "--mpi", "python"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_no_forms_export_zero() -> None:
+    _, env = build(
+        [
+            "-np",
+            "1",
+            "--no-hierarchical-allreduce",
+            "--no-hierarchical-allgather",
+            "--no-autotune",
+            "--no-timeline-mark-cycles",
+            "--stall-check",
+            "--no-mpi-threads-disable",
+            "--log-with-timestamp",
+            "python",
+        ]
+    )
+    assert env == {
+        "HOROVOD_HIERARCHICAL_ALLREDUCE": "0",
+        "HOROVOD_HIERARCHICAL_ALLGATHER": "0",
+        "HOROVOD_AUTOTUNE": "0",
+        "HOROVOD_TIMELINE_MARK_CYCLES": "0",
+        "HOROVOD_STALL_CHECK_DISABLE": "0",
+        "HOROVOD_MPI_THREADS_DISABLE": "0",
+        "HOROVOD_LOG_HIDE_TIME": "0",
+    }
+    _, env = build(["-np", "1", "--log-hide-timestamp", "python"])
+    assert env == {"HOROVOD_LOG_HIDE_TIME": "1"}
+
+
+@pytest.mark.parametrize(
+    "pair", [["--autotune", "--no-autotune"], ["--stall-check", "--no-stall-check"]]
+)
+def test_on_and_off_together_is_a_usage_error(
+    pair: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["-np", "1", *pair, "python"]) == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_autotune_and_library_options_export_horovod_variables() -> None:
+    command, env = build(
+        [
+            "-np",
+            "1",
+            "--autotune",
+            "--autotune-log-file",
+            "at.csv",
+            "--autotune-warmup-samples",
+            "2",
+            "--autotune-steps-per-sample",
+            "5",
+            "--autotune-bayes-opt-max-samples",
+            "7",
+            "--autotune-gaussian-process-noise",
+            "0.5",
+            "--num-nccl-streams",
+            "2",
+            "--thread-affinity",
+            "0,2",
+            "--gloo-timeout-seconds",
+            "45",
+            "python",
+        ]
+    )
+    assert env == {
+        "HOROVOD_AUTOTUNE": "1",
+        "HOROVOD_AUTOTUNE_LOG": "at.csv",
+        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "2",
+        "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "5",
+        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "7",
+        "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5",
+        "HOROVOD_NUM_NCCL_STREAMS": "2",
+        "HOROVOD_THREAD_AFFINITY": "0,2",
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": "45",
+    }
+    assert sorted(exported(command)) == sorted(env)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--cache-capacity", "-1"], "--cache-capacity must be at least 0"),
+        (["--autotune-gaussian-process-noise", "1.5"], "must be in [0, 1]"),
+        (["--autotune-warmup-samples", "-2"], "--autotune-warmup-samples must be at least 0"),
+        (["--start-timeout", "0"], "--start-timeout must be at least 1"),
+        (["-p", "70000"], "-p/--ssh-port must be a port number"),
+        (["-i", "/my keys/id"], "use a path without blanks"),
+        (["--network-interfaces", "eth0,bad name"], "is not an interface name"),
+        (["--thread-affinity", "0;1"], "comma list of core numbers"),
+        (["--binding-args", "'--bind-to"], "--binding-args"),
+    ],
+)
+def test_bad_option_values(argv: list[str], message: str) -> None:
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        build(["-np", "1", *argv, "python"])
+
+
+def test_ssh_port_and_key_go_to_the_ssh_agent() -> None:
+    command, _ = build(["-np", "2", "-p", "2222", "-i", "/keys/id", "python"])
+    assert option(command, "plm_rsh_args") == "-p 2222 -i /keys/id"
+    assert command[command.index("plm_rsh_args") - 1] == "-mca"
+    command, _ = build(["-np", "2", "--ssh-port", "2222", "python"], open_mpi_major=5)
+    assert option(command, "plm_ssh_args") == "-p 2222"
+    assert command[command.index("plm_ssh_args") - 1] == "--prtemca"
+
+
+def test_network_interfaces() -> None:
+    argv = ["-np", "2", "--network-interface", "eth0", "--network-interfaces", "ib0,eth0"]
+    command, env = build([*argv, "python"])
+    assert option(command, "btl_tcp_if_include") == "eth0,ib0"
+    assert option(command, "oob_tcp_if_include") == "eth0,ib0"
+    assert env["NCCL_SOCKET_IFNAME"] == "eth0,ib0" and env["HOROVOD_GLOO_IFACE"] == "eth0"
+    assert "NCCL_SOCKET_IFNAME" in exported(command)
+    command, _ = build([*argv, "python"], open_mpi_major=5)
+    assert option(command, "prte_if_include") == "eth0"  # PRRTE 5.0 crashes on a list
+    assert option(command, "btl_tcp_if_include") == "eth0,ib0"
+    assert command[command.index("prte_if_include") - 1] == "--prtemca"
+    assert "oob_tcp_if_include" not in command
+
+
+def test_tcp_and_binding_args() -> None:
+    command, env = build(["-np", "2", "--tcp", "--binding-args", "--bind-to core", "python"])
+    assert env == {"NCCL_IB_DISABLE": "1"} and "NCCL_IB_DISABLE" in exported(command)
+    assert option(command, "pml") == "ob1" and option(command, "btl") == "tcp,self"
+    assert option(command, "--bind-to") == "core" and "--map-by" not in command
+
+
+def test_timestamped_output() -> None:
+    command, _ = build(["-np", "2", "-prefix-timestamp", "python"])
+    assert "--timestamp-output" in command
+    command, _ = build(["-np", "2", "python"])
+    assert "--timestamp-output" not in command
+
+
+def test_start_timeout_flag_and_variable() -> None:
+    command, _ = build(["-np", "2", "--start-timeout", "45", "python"], open_mpi_major=5)
+    assert option(command, "--spawn-timeout") == "45"
+    env = {"HOROVOD_START_TIMEOUT": "20"}
+    command, _ = build(["-np", "2", "python"], env, open_mpi_major=5)
+    assert option(command, "--spawn-timeout") == "20"
+    command, _ = build(["-np", "2", "--start-timeout", "45", "python"], env, open_mpi_major=5)
+    assert option(command, "--spawn-timeout") == "45"
+    command, _ = build(["-np", "2", "python"], {}, open_mpi_major=5)
+    assert "--spawn-timeout" not in command
+    with pytest.raises(LaunchError, match="HOROVOD_START_TIMEOUT='soon'"):
+        build(["-np", "2", "python"], {"HOROVOD_START_TIMEOUT": "soon"})
+
+
+def test_notes_for_options_without_effect(
+    exec_calls: list[tuple[str, list[str], dict[str, str]]],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["-np", "2", "--disable-cache", "--jsrun", "--autotune", "--gloo-timeout-seconds", "9"]
+    assert cli.main([*argv, "python"]) == 0
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 4 and all(line.startswith("baguahvdrun: note: ") for line in notes)
+    assert "--disable-cache" in notes[0] and "--jsrun" in notes[1]
+    monkeypatch.setattr(cli, "probe_mpirun", lambda mpirun: 4)
+    assert cli.main(["-np", "2", "--start-timeout", "9", "python"]) == 0
+    [note] = capsys.readouterr().err.splitlines()
+    assert "needs Open MPI 5" in note and "mpirun is v4" in note
+
+
+def write_config(tmp_path: Path, text: str) -> str:
+    pytest.importorskip("yaml")
+    path = tmp_path / "horovod.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+CONFIG = """
+controller: mpi
+params:
+  fusion_threshold_mb: 32
+  cycle_time_ms: 2.5
+  cache_capacity: 2048
+  hierarchical_allreduce: true
+  hierarchical_allgather: false
+autotune:
+  enabled: true
+  log_file: at.csv
+  warmup_samples: 1
+  steps_per_sample: 2
+  bayes_opt_max_samples: 3
+  gaussian_process_noise: 0.25
+timeline:
+  filename: tl.json
+  mark_cycles: true
+stall_check:
+  enabled: false
+  warning_time_seconds: 30
+  shutdown_time_seconds: 90
+library_options:
+  mpi_threads_disable: true
+  num_nccl_streams: 2
+  thread_affinity: 3
+  gloo_timeout_seconds: 40
+logging:
+  level: DEBUG
+  with_timestamp: false
+"""
+
+
+def test_config_file_sets_every_setting(tmp_path: Path) -> None:
+    path = write_config(tmp_path, CONFIG)
+    args = cli.parse_args(["-np", "1", "--config-file", path, "python"])
+    assert args.use_mpi and args.config_notes == []
+    _, env = build_command(args, {}, mpirun=MPIRUN)
+    assert env == {
+        "HOROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024),
+        "HOROVOD_CYCLE_TIME": "2.5",
+        "HOROVOD_CACHE_CAPACITY": "2048",
+        "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+        "HOROVOD_HIERARCHICAL_ALLGATHER": "0",
+        "HOROVOD_AUTOTUNE": "1",
+        "HOROVOD_AUTOTUNE_LOG": "at.csv",
+        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
+        "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "3",
+        "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.25",
+        "HOROVOD_TIMELINE": "tl.json",
+        "HOROVOD_TIMELINE_MARK_CYCLES": "1",
+        "HOROVOD_STALL_CHECK_DISABLE": "1",
+        "HOROVOD_STALL_CHECK_TIME_SECONDS": "30",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "90",
+        "HOROVOD_MPI_THREADS_DISABLE": "1",
+        "HOROVOD_NUM_NCCL_STREAMS": "2",
+        "HOROVOD_THREAD_AFFINITY": "3",
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": "40",
+        "HOROVOD_LOG_LEVEL": "debug",
+        "HOROVOD_LOG_HIDE_TIME": "1",
+    }
+
+
+def test_command_line_wins_over_config_file(tmp_path: Path) -> None:
+    path = write_config(tmp_path, CONFIG)
+    argv = ["--cache-capacity", "5", "--config-file", path, "--no-hierarchical-allreduce"]
+    args = cli.parse_args(["-np", "1", *argv, "--stall-check", "--log-level", "error", "python"])
+    _, env = build_command(args, {}, mpirun=MPIRUN)
+    assert env["HOROVOD_CACHE_CAPACITY"] == "5"
+    assert env["HOROVOD_HIERARCHICAL_ALLREDUCE"] == "0"
+    assert env["HOROVOD_STALL_CHECK_DISABLE"] == "0"
+    assert env["HOROVOD_LOG_LEVEL"] == "error"
+    assert env["HOROVOD_CYCLE_TIME"] == "2.5"
+
+
+def test_config_file_controller_gloo_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_config(tmp_path, "controller: gloo\n")
+    assert cli.main(["-np", "1", "--config-file", path, "python"]) == 2
+    assert "Gloo controller" in capsys.readouterr().err
+    args = cli.parse_args(["-np", "1", "--mpi", "--config-file", path, "python"])
+    assert args.use_mpi and not args.use_gloo
+
+
+def test_config_file_notes_unknown_keys(
+    tmp_path: Path,
+    exec_calls: list[tuple[str, list[str], dict[str, str]]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = write_config(tmp_path, "params:\n  colour: red\nextras:\n  a: 1\n")
+    assert cli.main(["-np", "1", "--config-file", path, "python"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --config-file: params.colour is not a horovodrun setting" in err
+    assert "note: --config-file: section 'extras'" in err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("params:\n  cache_capacity: many\n", "params.cache_capacity: expected an integer"),
+        ("params: 3\n", "section 'params' must be a mapping"),
+        ("controller: nccl\n", "controller must be 'mpi' or 'gloo'"),
+        ("timeline:\n  mark_cycles: 1\n", "expected true or false"),
+        ("- a\n- b\n", "the top level must be a mapping"),
+        ("params: [\n", "is not valid YAML"),
+        ("params:\n  cache_capacity: -3\n", "--cache-capacity must be at least 0"),
+    ],
+)
+def test_bad_config_files(
+    tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_config(tmp_path, text)
+    assert cli.main(["-np", "1", "--config-file", path, "python"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["-np", "1", "--config-file", str(tmp_path / "no.yaml"), "python"]) == 2
+    assert "cannot read --config-file" in capsys.readouterr().err

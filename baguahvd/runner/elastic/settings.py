@@ -12,6 +12,7 @@ import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from baguahvd.runner.allocation import detect_allocation
 from baguahvd.runner.hosts import Host, LaunchError, format_hosts, parse_hosts
 from baguahvd.runner.mpirun import check_request
 
@@ -38,8 +39,8 @@ class ElasticSettings:
     """What an elastic job was asked for, checked. Build it with :meth:`from_args`."""
 
     fixed_hosts: tuple[Host, ...] | None
-    """The hosts of every launch (``-H``, or ``localhost:<np>``); ``None`` when they are read
-    from :attr:`hostfile` or :attr:`discovery_script`."""
+    """The hosts of every launch (``-H``, the job's allocation, or ``localhost:<np>``);
+    ``None`` when they are read from :attr:`hostfile` or :attr:`discovery_script`."""
     hostfile: str | None
     """``--hostfile``, read again before every launch."""
     discovery_script: str | None
@@ -74,7 +75,8 @@ class ElasticSettings:
 
         Args:
             args: the parsed command line of ``baguahvdrun``.
-            env: the launcher's environment (for ``BAGUAHVD_ELASTIC_POLL_SECONDS``).
+            env: the launcher's environment (for ``BAGUAHVD_ELASTIC_POLL_SECONDS`` and the
+                job's allocation).
 
         Returns:
             The settings.
@@ -121,12 +123,16 @@ class ElasticSettings:
         if args.hosts is not None:
             fixed_hosts = tuple(parse_hosts(args.hosts))
         elif args.hostfile is None and script is None:
-            if num_proc is None:
+            allocation = detect_allocation(env)
+            if allocation is not None:
+                fixed_hosts = allocation.hosts
+            elif num_proc is None:
                 raise LaunchError(
                     "-np/--num-proc is required (or give -H/--hosts, --hostfile or "
                     "--host-discovery-script)"
                 )
-            fixed_hosts = (Host("localhost", num_proc),)
+            else:
+                fixed_hosts = (Host("localhost", num_proc),)
         if fixed_hosts is not None and num_proc is not None:
             total = sum(host.slots for host in fixed_hosts)
             if total < num_proc:
