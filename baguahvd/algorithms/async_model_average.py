@@ -64,10 +64,10 @@ from baguahvd.algorithms.base import (
     check_positive,
 )
 from baguahvd.algorithms.buckets import Bucket, split_into_buckets
-from baguahvd.common.basics import runtime
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.common.ops import ReduceOp
 from baguahvd.kernels import async_model_average_
+from baguahvd.runtime.state import runtime
 from baguahvd.torch.mpi_ops import Average, allreduce_async_, broadcast_async_, synchronize
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from baguahvd.algorithms.buckets import Bucket, split_into_buckets
-from baguahvd.common.process_sets import ProcessSet
+from baguahvd.runtime.process_sets import ProcessSet
 
 DEFAULT_BUCKET_BYTES = 10 * 1024 * 1024
 

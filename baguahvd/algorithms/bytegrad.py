@@ -28,12 +28,12 @@ from baguahvd.algorithms.base import (
 )
 from baguahvd.algorithms.buckets import Bucket
 from baguahvd.algorithms.hierarchy import Hierarchy
-from baguahvd.common.process_sets import ProcessSet
 from baguahvd.kernels import (
     compress_minmax_uint8,
     decompress_minmax_uint8,
     decompress_reduce_minmax_uint8,
 )
+from baguahvd.runtime.process_sets import ProcessSet
 from baguahvd.torch.mpi_ops import allgather, alltoall
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)

@@ -37,8 +37,8 @@ from baguahvd.algorithms.base import (
 )
 from baguahvd.algorithms.buckets import Bucket, split_into_buckets
 from baguahvd.algorithms.hierarchy import Hierarchy
-from baguahvd.common.process_sets import ProcessSet
 from baguahvd.kernels import average_
+from baguahvd.runtime.process_sets import ProcessSet
 from baguahvd.torch.mpi_ops import Average, allreduce_, alltoall, broadcast_
 
 PEER_SELECTION_MODES = ("all", "shift_one")

@@ -18,7 +18,7 @@ from baguahvd.algorithms.base import (
 )
 from baguahvd.algorithms.buckets import Bucket
 from baguahvd.algorithms.hierarchy import Hierarchy
-from baguahvd.common.process_sets import ProcessSet
+from baguahvd.runtime.process_sets import ProcessSet
 from baguahvd.torch.mpi_ops import Average, Sum, allreduce_
 
 

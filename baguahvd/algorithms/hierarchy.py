@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from baguahvd.common.basics import runtime
-from baguahvd.common.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.state import runtime
 from baguahvd.torch.functions import allgather_object
 from baguahvd.torch.mpi_ops import Average, allreduce_, broadcast_
 

@@ -46,12 +46,12 @@ from baguahvd.algorithms.decentralized import (
     set_size_and_rank,
 )
 from baguahvd.algorithms.hierarchy import Hierarchy
-from baguahvd.common.process_sets import ProcessSet
 from baguahvd.kernels import (
     compress_minmax_uint8,
     decompress_add_minmax_uint8_,
     lowprec_decentralized_diff_,
 )
+from baguahvd.runtime.process_sets import ProcessSet
 from baguahvd.torch.mpi_ops import alltoall
 
 

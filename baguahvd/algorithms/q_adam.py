@@ -58,7 +58,7 @@ from baguahvd.algorithms.base import (
 from baguahvd.algorithms.buckets import Bucket
 from baguahvd.algorithms.bytegrad import compressed_average
 from baguahvd.algorithms.hierarchy import Hierarchy
-from baguahvd.common.process_sets import ProcessSet
+from baguahvd.runtime.process_sets import ProcessSet
 from baguahvd.torch.mpi_ops import Average, allreduce_async_, broadcast_async_, synchronize
 
 DEFAULT_WARMUP_STEPS = 100

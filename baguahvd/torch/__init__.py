@@ -1,7 +1,6 @@
 """Horovod's ``horovod.torch`` API: change ``import horovod.torch as hvd`` to
 ``import baguahvd.torch as hvd``."""
 
-from baguahvd.common.basics import runtime as _runtime
 from baguahvd.common.capabilities import (
     ccl_built,
     cuda_built,
@@ -12,7 +11,8 @@ from baguahvd.common.capabilities import (
     rocm_built,
 )
 from baguahvd.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from baguahvd.common.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.state import runtime as _runtime
 from baguahvd.torch import elastic as elastic
 from baguahvd.torch.compression import Compression
 from baguahvd.torch.functions import (

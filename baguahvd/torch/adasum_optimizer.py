@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from baguahvd.common.ops import Adasum
-from baguahvd.common.process_sets import ProcessSet
+from baguahvd.runtime.process_sets import ProcessSet
 from baguahvd.torch.mpi_ops import allreduce_async_, synchronize
 from baguahvd.torch.optimizer_protocol import ZERO_GRAD_RACE, SynchronizeProtocol
 

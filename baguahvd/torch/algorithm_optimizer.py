@@ -16,8 +16,8 @@ import torch
 
 from baguahvd.algorithms import Algorithm, AlgorithmContext
 from baguahvd.algorithms.base import DEFAULT_BUCKET_BYTES
-from baguahvd.common.basics import runtime
-from baguahvd.common.process_sets import ProcessSet
+from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.runtime.state import runtime
 from baguahvd.torch.optimizer_protocol import (
     ZERO_GRAD_RACE,
     SynchronizeProtocol,
@@ -111,7 +111,7 @@ def make_algorithm_optimizer(
     """Builds the algorithm variant of ``DistributedOptimizer`` (which calls this for
     ``algorithm=...``): a subclass of ``type(optimizer)`` with the same name."""
     from baguahvd.algorithms import resolve
-    from baguahvd.common.process_sets import global_process_set
+    from baguahvd.runtime.process_sets import global_process_set
     from baguahvd.torch.optimizer import _check_named_parameters
 
     resolved = resolve(algorithm)

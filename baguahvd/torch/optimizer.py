@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from baguahvd.common.basics import runtime
 from baguahvd.common.ops import Adasum, Average, ReduceOp, to_reduce_op
-from baguahvd.common.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.state import runtime
 from baguahvd.torch.compression import Compression
 from baguahvd.torch.mpi_ops import (
     allreduce_async_,
