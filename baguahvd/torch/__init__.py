@@ -15,6 +15,7 @@ from baguahvd.runtime.process_sets import ProcessSet, global_process_set
 from baguahvd.runtime.state import runtime as _runtime
 from baguahvd.torch import elastic as elastic
 from baguahvd.torch.compression import Compression
+from baguahvd.torch.distributed_optimizer import DistributedOptimizer
 from baguahvd.torch.functions import (
     allgather_object,
     broadcast_object,
@@ -58,7 +59,6 @@ from baguahvd.torch.mpi_ops import (
     stop_timeline,
     synchronize,
 )
-from baguahvd.torch.optimizer import DistributedOptimizer
 from baguahvd.torch.sync_batch_norm import SyncBatchNorm
 
 init = _runtime.init

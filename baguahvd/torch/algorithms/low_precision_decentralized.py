@@ -31,7 +31,13 @@ from typing import ClassVar
 
 import torch
 
-from baguahvd.algorithms.base import (
+from baguahvd.kernels import (
+    compress_minmax_uint8,
+    decompress_add_minmax_uint8_,
+    lowprec_decentralized_diff_,
+)
+from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
@@ -39,19 +45,13 @@ from baguahvd.algorithms.base import (
     check_bool,
     check_int,
 )
-from baguahvd.algorithms.buckets import split_into_buckets
-from baguahvd.algorithms.decentralized import (
+from baguahvd.torch.algorithms.buckets import split_into_buckets
+from baguahvd.torch.algorithms.decentralized import (
     KERNEL_DTYPES,
     broadcast_weights,
     set_size_and_rank,
 )
-from baguahvd.algorithms.hierarchy import Hierarchy
-from baguahvd.kernels import (
-    compress_minmax_uint8,
-    decompress_add_minmax_uint8_,
-    lowprec_decentralized_diff_,
-)
-from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.torch.algorithms.hierarchy import Hierarchy
 from baguahvd.torch.mpi_ops import alltoall
 
 
@@ -70,7 +70,7 @@ class Replicas:
 class LowPrecisionDecentralizedAlgorithm(Algorithm):
     """Ring gossip of compressed weight differences (arXiv 1803.06443).
 
-    The steps are listed in :mod:`baguahvd.algorithms.low_precision_decentralized`.
+    The steps are listed in :mod:`baguahvd.torch.algorithms.low_precision_decentralized`.
     Parameters must be float32, float16 or bfloat16. The ranks' models differ during
     training; the replicas are seeded when the optimizer is built, so the weights must not
     be changed behind the optimizer's back afterwards.

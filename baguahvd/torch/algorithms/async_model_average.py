@@ -10,7 +10,7 @@ Descent", arXiv 1710.06952).
 Steps:
 
 1. **Warmup** (the first ``warmup_steps`` optimizer steps): ordinary bucketed gradient
-   allreduce (average), as in :mod:`baguahvd.algorithms.gradient_allreduce`.
+   allreduce (average), as in :mod:`baguahvd.torch.algorithms.gradient_allreduce`.
 2. **Switch** (at the first optimizer step after warmup, on every rank): broadcast the
    weights of the process set's first rank, create two private duplicated communicators
    (one for the averaging rounds, one for the barriers of :meth:`abort`/:meth:`resume`)
@@ -54,7 +54,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from baguahvd.algorithms.base import (
+from baguahvd.common.exceptions import HorovodInternalError
+from baguahvd.common.ops import ReduceOp
+from baguahvd.kernels import async_model_average_
+from baguahvd.runtime.state import runtime
+from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
@@ -63,11 +67,7 @@ from baguahvd.algorithms.base import (
     check_int,
     check_positive,
 )
-from baguahvd.algorithms.buckets import Bucket, split_into_buckets
-from baguahvd.common.exceptions import HorovodInternalError
-from baguahvd.common.ops import ReduceOp
-from baguahvd.kernels import async_model_average_
-from baguahvd.runtime.state import runtime
+from baguahvd.torch.algorithms.buckets import Bucket, split_into_buckets
 from baguahvd.torch.mpi_ops import Average, allreduce_async_, broadcast_async_, synchronize
 
 if TYPE_CHECKING:

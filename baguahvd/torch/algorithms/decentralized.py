@@ -26,7 +26,9 @@ from typing import ClassVar
 
 import torch
 
-from baguahvd.algorithms.base import (
+from baguahvd.kernels import average_
+from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
@@ -35,10 +37,8 @@ from baguahvd.algorithms.base import (
     check_bool,
     check_int,
 )
-from baguahvd.algorithms.buckets import Bucket, split_into_buckets
-from baguahvd.algorithms.hierarchy import Hierarchy
-from baguahvd.kernels import average_
-from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.torch.algorithms.buckets import Bucket, split_into_buckets
+from baguahvd.torch.algorithms.hierarchy import Hierarchy
 from baguahvd.torch.mpi_ops import Average, allreduce_, alltoall, broadcast_
 
 PEER_SELECTION_MODES = ("all", "shift_one")
@@ -94,7 +94,7 @@ def set_size_and_rank(process_set: ProcessSet) -> tuple[int, int]:
 class DecentralizedAlgorithm(Algorithm):
     """Decentralized SGD with full-precision weight averaging (D-PSGD, arXiv 1705.09056).
 
-    The steps are listed in :mod:`baguahvd.algorithms.decentralized`. The models of the
+    The steps are listed in :mod:`baguahvd.torch.algorithms.decentralized`. The models of the
     ranks differ during training (except right after an ``"all"`` averaging); evaluate per
     rank or average once explicitly at the end.
 

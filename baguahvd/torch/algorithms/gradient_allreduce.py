@@ -8,7 +8,8 @@ leaders, node broadcast.
 
 from __future__ import annotations
 
-from baguahvd.algorithms.base import (
+from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
@@ -16,9 +17,8 @@ from baguahvd.algorithms.base import (
     bucket_name,
     check_bool,
 )
-from baguahvd.algorithms.buckets import Bucket
-from baguahvd.algorithms.hierarchy import Hierarchy
-from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.torch.algorithms.buckets import Bucket
+from baguahvd.torch.algorithms.hierarchy import Hierarchy
 from baguahvd.torch.mpi_ops import Average, Sum, allreduce_
 
 

@@ -18,7 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from baguahvd.algorithms.base import (
+from baguahvd.kernels import (
+    compress_minmax_uint8,
+    decompress_minmax_uint8,
+    decompress_reduce_minmax_uint8,
+)
+from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
@@ -26,14 +32,8 @@ from baguahvd.algorithms.base import (
     bucket_name,
     check_bool,
 )
-from baguahvd.algorithms.buckets import Bucket
-from baguahvd.algorithms.hierarchy import Hierarchy
-from baguahvd.kernels import (
-    compress_minmax_uint8,
-    decompress_minmax_uint8,
-    decompress_reduce_minmax_uint8,
-)
-from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.torch.algorithms.buckets import Bucket
+from baguahvd.torch.algorithms.hierarchy import Hierarchy
 from baguahvd.torch.mpi_ops import allgather, alltoall
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)

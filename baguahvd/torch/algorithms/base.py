@@ -12,7 +12,7 @@ whose hooks ``DistributedOptimizer`` calls:
 - ``close()``: the optimizer is discarded or baguahvd shuts down.
 
 The defaults implement bucketed gradient communication: gradients are grouped into buckets
-(:mod:`baguahvd.algorithms.buckets`) in the same order on every rank, a bucket is launched
+(:mod:`baguahvd.torch.algorithms.buckets`) in the same order on every rank, a bucket is launched
 as soon as all its gradients are ready and every earlier bucket has been launched, and one
 worker thread per optimizer runs the buckets' communication in launch order while backward
 continues. Gradient algorithms only override :meth:`GradientAlgorithmImpl.communicate`.
@@ -29,8 +29,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from baguahvd.algorithms.buckets import Bucket, split_into_buckets
 from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.torch.algorithms.buckets import Bucket, split_into_buckets
 
 DEFAULT_BUCKET_BYTES = 10 * 1024 * 1024
 

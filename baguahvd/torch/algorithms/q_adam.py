@@ -19,7 +19,7 @@ Steps, with ``t`` the optimizer step being taken and ``W = warmup_steps``:
 
    a. ``m ← β1·m + (1 − β1)·g`` with this rank's raw gradient ``g`` (no weight decay);
    b. average ``m`` over the ranks with ByteGrad's compressed scatter-gather
-      (:func:`baguahvd.algorithms.bytegrad.compressed_average`; hierarchical: full-precision
+      (:func:`baguahvd.torch.algorithms.bytegrad.compressed_average`; hierarchical: full-precision
       node average, compressed exchange among node leaders, node broadcast).
 
    The step then applies ``p ← p − lr/(1 − β1^t) · m / (sqrt(v)/sqrt(1 − β2^t) + eps)``
@@ -47,7 +47,8 @@ from typing import Any
 
 import torch
 
-from baguahvd.algorithms.base import (
+from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
@@ -55,10 +56,9 @@ from baguahvd.algorithms.base import (
     bucket_name,
     check_bool,
 )
-from baguahvd.algorithms.buckets import Bucket
-from baguahvd.algorithms.bytegrad import compressed_average
-from baguahvd.algorithms.hierarchy import Hierarchy
-from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.torch.algorithms.buckets import Bucket
+from baguahvd.torch.algorithms.bytegrad import compressed_average
+from baguahvd.torch.algorithms.hierarchy import Hierarchy
 from baguahvd.torch.mpi_ops import Average, allreduce_async_, broadcast_async_, synchronize
 
 DEFAULT_WARMUP_STEPS = 100
