@@ -68,6 +68,7 @@ from baguahvd.torch.algorithms.base import (
     check_positive,
 )
 from baguahvd.torch.algorithms.buckets import Bucket, split_into_buckets
+from baguahvd.torch.algorithms.primitives import KERNEL_DTYPES
 from baguahvd.torch.mpi_ops import Average, allreduce_async_, broadcast_async_, synchronize
 
 if TYPE_CHECKING:
@@ -80,7 +81,6 @@ SHUTDOWN_TIMEOUT_S = 30.0
 averaging before leaving the thread behind."""
 
 _STALL_WARNING_S = 60.0
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class AsyncModelAverageAlgorithm(Algorithm):
@@ -401,7 +401,7 @@ class AsyncModelAverageImpl(GradientAlgorithmImpl):
             self._wait(comm.iallreduce(snapshot, total, ReduceOp.SUM))
         with self._lock:
             for pending, total, snapshot in zip(self._pending, self._sums, snapshots):
-                if pending.dtype in _KERNEL_DTYPES:
+                if pending.dtype in KERNEL_DTYPES:
                     async_model_average_(pending, total, snapshot, comm.size)
                 else:
                     pending.add_(total / comm.size - snapshot)

@@ -1,7 +1,7 @@
 """ByteGrad: gradients averaged with 8-bit MinMaxUInt8 compression (Bagua).
 
 Per bucket of length L (padded to a multiple of the n ranks), with chunk j belonging to
-rank j:
+rank j (:class:`~baguahvd.torch.algorithms.primitives.MinMaxUInt8`):
 
 1. compress the bucket into n chunks, each with its own min/max;
 2. alltoall the compressed chunks, so this rank receives every rank's copy of its chunk;
@@ -16,14 +16,6 @@ leaders; the result is broadcast inside the node.
 
 from __future__ import annotations
 
-import torch
-
-from baguahvd.kernels import (
-    compress_minmax_uint8,
-    decompress_minmax_uint8,
-    decompress_reduce_minmax_uint8,
-)
-from baguahvd.runtime.process_sets import ProcessSet
 from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -33,31 +25,12 @@ from baguahvd.torch.algorithms.base import (
     check_bool,
 )
 from baguahvd.torch.algorithms.buckets import Bucket
-from baguahvd.torch.algorithms.hierarchy import Hierarchy
-from baguahvd.torch.mpi_ops import allgather, alltoall
-
-_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def compressed_average(
-    flat: torch.Tensor, name: str, process_set: ProcessSet, group_size: int, average: bool
-) -> None:
-    """Steps 1-5 of the module docstring on ``flat``, in place."""
-    if flat.numel() % group_size:
-        padded = torch.zeros(-(-flat.numel() // group_size) * group_size, dtype=flat.dtype)
-        padded[: flat.numel()].copy_(flat)
-        compressed_average(padded, name, process_set, group_size, average)
-        flat.copy_(padded[: flat.numel()])
-        return
-    numel = flat.numel()
-    compressed = compress_minmax_uint8(flat, group_size)
-    received = alltoall(compressed, name=f"{name}.alltoall", process_set=process_set)
-    reduced = decompress_reduce_minmax_uint8(
-        received, group_size, numel, flat.dtype, average=average
-    )
-    mine = compress_minmax_uint8(reduced, 1)
-    gathered = allgather(mine, name=f"{name}.allgather", process_set=process_set)
-    decompress_minmax_uint8(gathered, group_size, numel, flat.dtype, out=flat)
+from baguahvd.torch.algorithms.hierarchy import optional_hierarchy
+from baguahvd.torch.algorithms.primitives import (
+    MinMaxUInt8,
+    centralized_reduce,
+    check_compressible,
+)
 
 
 class ByteGradAlgorithm(Algorithm):
@@ -78,12 +51,7 @@ class ByteGradAlgorithm(Algorithm):
         self.average = average
 
     def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
-        for name, p in context.parameters:
-            if p.dtype not in _SUPPORTED:
-                raise ValueError(
-                    f"bytegrad compresses float32/float16/bfloat16 gradients; parameter "
-                    f"{name} is {p.dtype}."
-                )
+        check_compressible(self.name, context.parameters, "gradients")
         return _ByteGradImpl(self, context)
 
 
@@ -93,21 +61,14 @@ class _ByteGradImpl(GradientAlgorithmImpl):
 
     def __init__(self, algorithm: ByteGradAlgorithm, context: AlgorithmContext) -> None:
         super().__init__(algorithm, context)
-        self.hierarchy = Hierarchy(context.process_set) if algorithm.hierarchical else None
+        self.hierarchy = optional_hierarchy(context.process_set, algorithm.hierarchical)
 
     def communicate(self, bucket: Bucket) -> None:
-        name = bucket_name(self.algorithm, bucket)
-        average = self.algorithm.average
-        if self.hierarchy is None:
-            compressed_average(
-                bucket.flat, name, self.context.process_set, self.context.size, average
-            )
-            return
-        hierarchy = self.hierarchy
-
-        def among_leaders(flat: torch.Tensor, leaders: ProcessSet) -> None:
-            compressed_average(flat, name, leaders, hierarchy.node_count, True)
-            if not average:
-                flat.mul_(self.context.size)
-
-        hierarchy.run(bucket.flat, name, among_leaders)
+        centralized_reduce(
+            bucket.flat,
+            bucket_name(self.algorithm, bucket),
+            self.context.process_set,
+            self.hierarchy,
+            average=self.algorithm.average,
+            compressor=MinMaxUInt8(),
+        )

@@ -56,3 +56,8 @@ class Hierarchy:
         if self.is_leader:
             body(flat, self.leader_set)
         broadcast_(flat, self.leader, name=f"{name}.node_bcast", process_set=self.node_set)
+
+
+def optional_hierarchy(process_set: ProcessSet, hierarchical: bool) -> Hierarchy | None:
+    """The hierarchy of ``process_set`` when ``hierarchical`` (collective), else None."""
+    return Hierarchy(process_set) if hierarchical else None
