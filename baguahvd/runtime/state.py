@@ -96,6 +96,9 @@ class Runtime:
                 self._atexit_registered = True
 
     def _start(self, config: Config, comm: Any, process_sets: list[ProcessSet]) -> None:
+        # backends.mpi is imported here, not at the top: importing it starts MPI, which
+        # must wait until prepare_mpi has chosen the thread level, and must not happen on
+        # a mere ``import baguahvd.torch``.
         from baguahvd.backends import prepare_mpi
 
         prepare_mpi(config.mpi_threads_disable)
