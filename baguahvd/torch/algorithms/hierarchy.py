@@ -44,15 +44,10 @@ class Hierarchy:
         self.node_count = len(ordered)
 
     def run(
-        self,
-        flat: torch.Tensor,
-        name: str,
-        body: Callable[[torch.Tensor, ProcessSet], None],
-        reduce_first: bool = True,
+        self, flat: torch.Tensor, name: str, body: Callable[[torch.Tensor, ProcessSet], None]
     ) -> None:
-        """Node average (if ``reduce_first``), ``body`` on the leaders, node broadcast."""
-        if reduce_first:
-            allreduce_(flat, name=f"{name}.node_reduce", op=Average, process_set=self.node_set)
+        """Node average, ``body`` on the leaders, node broadcast."""
+        allreduce_(flat, name=f"{name}.node_reduce", op=Average, process_set=self.node_set)
         if self.is_leader:
             body(flat, self.leader_set)
         broadcast_(flat, self.leader, name=f"{name}.node_bcast", process_set=self.node_set)
