@@ -1,4 +1,5 @@
-"""DistributedOptimizer: averages gradients across ranks while backward is still running.
+"""Horovod's DistributedOptimizer (``algorithm=None``): averages gradients across ranks while
+backward is still running.
 
 Each parameter's gradient is allreduced as soon as autograd has accumulated it (a
 post-accumulate-grad hook), so communication overlaps the rest of the backward pass;
