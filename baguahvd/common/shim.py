@@ -34,6 +34,12 @@ _ALIASED_PREFIXES = (
     ("horovod.common.", "baguahvd.common."),
 )
 _ALIASED_PACKAGES = {"horovod.common": "baguahvd.common"}
+_MOVED_MODULES = {
+    "horovod.common.basics": "baguahvd.runtime.state",
+    "horovod.common.elastic": "baguahvd.torch.elastic.base",
+    "horovod.common.process_sets": "baguahvd.runtime.process_sets",
+}
+"""Horovod's ``common`` modules whose baguahvd counterparts live in a higher layer."""
 
 
 def shim_path() -> str:
@@ -58,6 +64,8 @@ def alias_target(fullname: str) -> str | None:
     """
     if fullname in _ALIASED_PACKAGES:
         return _ALIASED_PACKAGES[fullname]
+    if fullname in _MOVED_MODULES:
+        return _MOVED_MODULES[fullname]
     for horovod_prefix, baguahvd_prefix in _ALIASED_PREFIXES:
         if fullname.startswith(horovod_prefix):
             return baguahvd_prefix + fullname[len(horovod_prefix) :]

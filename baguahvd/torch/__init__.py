@@ -1,7 +1,6 @@
 """Horovod's ``horovod.torch`` API: change ``import horovod.torch as hvd`` to
 ``import baguahvd.torch as hvd``."""
 
-from baguahvd.common.basics import runtime as _runtime
 from baguahvd.common.capabilities import (
     ccl_built,
     cuda_built,
@@ -12,9 +11,11 @@ from baguahvd.common.capabilities import (
     rocm_built,
 )
 from baguahvd.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from baguahvd.common.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.state import runtime as _runtime
 from baguahvd.torch import elastic as elastic
 from baguahvd.torch.compression import Compression
+from baguahvd.torch.distributed_optimizer import DistributedOptimizer
 from baguahvd.torch.functions import (
     allgather_object,
     broadcast_object,
@@ -58,7 +59,6 @@ from baguahvd.torch.mpi_ops import (
     stop_timeline,
     synchronize,
 )
-from baguahvd.torch.optimizer import DistributedOptimizer
 from baguahvd.torch.sync_batch_norm import SyncBatchNorm
 
 init = _runtime.init

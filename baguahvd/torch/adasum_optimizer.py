@@ -21,9 +21,14 @@ from typing import Any
 import torch
 
 from baguahvd.common.ops import Adasum
-from baguahvd.common.process_sets import ProcessSet
+from baguahvd.runtime.process_sets import ProcessSet, global_process_set
 from baguahvd.torch.mpi_ops import allreduce_async_, synchronize
-from baguahvd.torch.optimizer_protocol import ZERO_GRAD_RACE, SynchronizeProtocol
+from baguahvd.torch.optimizer_protocol import (
+    ZERO_GRAD_RACE,
+    SynchronizeProtocol,
+    check_named_parameters,
+    optimizer_subclass,
+)
 
 
 class _DistributedAdasumOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
@@ -113,3 +118,27 @@ class _DistributedAdasumOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
             raise AssertionError(ZERO_GRAD_RACE)
         # Gradients stay allocated: the per-parameter step needs them.
         super(self.__class__, self).zero_grad(set_to_none=False)  # type: ignore[misc]
+
+
+def make_adasum_optimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Any,
+    compression: Any,
+    backward_passes_per_step: int,
+    process_set: ProcessSet,
+    size: int,
+) -> torch.optim.Optimizer:
+    """Builds the ``op=Adasum`` variant of ``DistributedOptimizer`` for a job of ``size``
+    ranks: a subclass of ``type(optimizer)`` with the same name."""
+    if process_set is not global_process_set:
+        raise NotImplementedError("Adasum does not support non-global process sets yet.")
+    if size & (size - 1):
+        raise NotImplementedError("Running Adasum with non-power of 2 ranks is not supported yet.")
+    cls = optimizer_subclass(optimizer, _DistributedAdasumOptimizer)
+    return cls(  # type: ignore[no-any-return]
+        optimizer.param_groups,
+        check_named_parameters(named_parameters, optimizer.param_groups),
+        compression,
+        backward_passes_per_step,
+        process_set,
+    )

@@ -7,8 +7,8 @@ from typing import Any
 import cloudpickle
 import torch
 
-from baguahvd.common.basics import runtime
-from baguahvd.common.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.state import runtime
 from baguahvd.torch.mpi_ops import (
     allgather,
     broadcast_,

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from baguahvd.common import capabilities
-from baguahvd.common.basics import runtime
 from baguahvd.common.exceptions import HorovodInternalError, ProcessSetError
 from baguahvd.common.ops import (
     Adasum,
@@ -27,10 +26,11 @@ from baguahvd.common.ops import (
     Sum,
     to_reduce_op,
 )
-from baguahvd.common.process_sets import ProcessSet, global_process_set
 from baguahvd.engine.engine import GLOBAL_PROCESS_SET_ID, Engine
 from baguahvd.engine.messages import OpType
 from baguahvd.engine.requests import Handle
+from baguahvd.runtime.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.state import runtime
 from baguahvd.torch.compression import Compression
 
 __all__ = [

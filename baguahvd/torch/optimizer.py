@@ -1,4 +1,5 @@
-"""DistributedOptimizer: averages gradients across ranks while backward is still running.
+"""Horovod's DistributedOptimizer (``algorithm=None``): averages gradients across ranks while
+backward is still running.
 
 Each parameter's gradient is allreduced as soon as autograd has accumulated it (a
 post-accumulate-grad hook), so communication overlaps the rest of the backward pass;
@@ -7,17 +8,16 @@ post-accumulate-grad hook), so communication overlaps the rest of the backward p
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from baguahvd.common.basics import runtime
-from baguahvd.common.ops import Adasum, Average, ReduceOp, to_reduce_op
-from baguahvd.common.process_sets import ProcessSet, global_process_set
-from baguahvd.torch.compression import Compression
+from baguahvd.common.ops import ReduceOp
+from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.runtime.state import runtime
+from baguahvd.torch.functions import broadcast_object
 from baguahvd.torch.mpi_ops import (
     allreduce_async_,
     grouped_allreduce_async_,
@@ -27,6 +27,7 @@ from baguahvd.torch.mpi_ops import (
 from baguahvd.torch.optimizer_protocol import (
     ZERO_GRAD_RACE,
     SynchronizeProtocol,
+    check_named_parameters,
     optimizer_subclass,
 )
 
@@ -50,7 +51,7 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
     ) -> None:
         super(self.__class__, self).__init__(params)  # type: ignore[misc,call-arg]
         self._compression = compression
-        named = _check_named_parameters(named_parameters, self.param_groups)
+        named = check_named_parameters(named_parameters, self.param_groups)
         self._parameter_names: dict[torch.Tensor, str] = {p: name for name, p in named}
         self._init_protocol((p for _, p in named), backward_passes_per_step)
         self.op = op
@@ -233,38 +234,6 @@ def _make_hook(owner: weakref.ref[Any]) -> Any:
     return hook
 
 
-def _check_named_parameters(
-    named_parameters: Any, param_groups: list[dict[str, Any]]
-) -> list[tuple[str, torch.Tensor]]:
-    if named_parameters is None:
-        return [
-            (f"allreduce.noname.{i}.{j}", p)
-            for i, group in enumerate(param_groups)
-            for j, p in enumerate(group["params"])
-        ]
-    named = list(named_parameters)
-    if any(not isinstance(item, tuple) for item in named):
-        raise ValueError(
-            "named_parameters should be a sequence of tuples (name, parameter), usually "
-            "produced by model.named_parameters()."
-        )
-    names = [name for name, _ in named]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
-    if duplicates:
-        raise ValueError(
-            "Parameter names in named_parameters must be unique. Found duplicates: "
-            + ", ".join(duplicates)
-        )
-    named_ids = {id(p) for _, p in named}
-    unnamed = [id(p) for group in param_groups for p in group["params"] if id(p) not in named_ids]
-    if unnamed:
-        raise ValueError(
-            "named_parameters was specified, but one or more model parameters were not named. "
-            "Python object ids: " + ", ".join(str(i) for i in unnamed)
-        )
-    return named
-
-
 def _resolve_groups(
     groups: Any,
     params: list[torch.Tensor],
@@ -284,8 +253,6 @@ def _resolve_groups(
             return []
         ordered = params
         if process_set.included():
-            from baguahvd.torch.functions import broadcast_object
-
             # Rank 0's parameter order decides, so that every rank forms the same groups
             # even if the ranks listed their parameters in different orders.
             root = process_set.ranks[0] if process_set.ranks else 0
@@ -325,97 +292,27 @@ def _resolve_groups(
     raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
 
 
-def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
+def make_allreduce_optimizer(
     optimizer: torch.optim.Optimizer,
-    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-    compression: Any = Compression.none,
-    backward_passes_per_step: int = 1,
-    op: int = Average,
-    gradient_predivide_factor: float = 1.0,
-    num_groups: int = 0,
-    groups: Any = None,
-    sparse_as_dense: bool = False,
-    process_set: ProcessSet = global_process_set,
-    *,
-    algorithm: Any = None,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+    compression: Any,
+    backward_passes_per_step: int,
+    op: ReduceOp,
+    gradient_predivide_factor: float,
+    groups: Any,
+    sparse_as_dense: bool,
+    process_set: ProcessSet,
 ) -> torch.optim.Optimizer:
-    """Wraps ``optimizer`` so that gradients are averaged across ranks before each step.
-
-    The result is a new optimizer of a subclass of ``type(optimizer)`` (same class name),
-    built from ``optimizer.param_groups``; hooks start an allreduce for each gradient as soon
-    as it is ready, and ``step()`` waits for them.
-
-    Args:
-        optimizer: the optimizer to wrap.
-        named_parameters: ``model.named_parameters()``; names key the allreduces across ranks
-            (default: positional names).
-        compression: ``Compression.none``, ``.fp16`` or ``.bf16``.
-        backward_passes_per_step: backward passes accumulated locally per allreduce.
-        op: ``Average`` (default), ``Sum`` or ``Adasum``.
-        gradient_predivide_factor: with ``Average``, divide by this before the sum and
-            multiply after (the set size still divides).
-        num_groups: deprecated; use ``groups``.
-        groups: an int (split the parameters into that many fused groups) or a list of
-            lists of parameters, each allreduced as one unit.
-        sparse_as_dense: allreduce sparse gradients as dense tensors.
-        process_set: the ranks that average gradients.
-        algorithm: a Bagua algorithm (keyword only): a registered name such as
-            ``"bytegrad"`` or an algorithm object carrying hyperparameters. Default: the
-            ``BAGUAHVD_ALGORITHM`` setting, else Horovod's per-gradient allreduce.
-    """
-    reduce_op = to_reduce_op(op)
-    if gradient_predivide_factor != 1.0 and reduce_op != ReduceOp.AVERAGE:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if num_groups != 0:
-        warnings.warn(
-            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        if groups is None:
-            groups = num_groups
-    if backward_passes_per_step <= 0:
-        raise ValueError("backward_passes_per_step must be > 0")
-    chosen = algorithm
-    if chosen is None and runtime.config is not None:
-        chosen = runtime.config.algorithm
-    if chosen is not None:
-        from baguahvd.algorithms import resolve
-        from baguahvd.torch.algorithm_optimizer import make_algorithm_optimizer
-
-        resolved = resolve(chosen)
-        if reduce_op != ReduceOp.AVERAGE or compression is not Compression.none or groups:
-            raise ValueError(
-                f"algorithm={resolved.name!r} does its own reduction and compression; "
-                "op, compression and groups only apply to Horovod's allreduce (algorithm=None)."
-            )
-        return make_algorithm_optimizer(
-            optimizer, named_parameters, resolved, backward_passes_per_step, process_set
-        )
-    if reduce_op == Adasum and runtime.size() > 1:
-        from baguahvd.torch.adasum_optimizer import _DistributedAdasumOptimizer
-
-        if process_set is not global_process_set:
-            raise NotImplementedError("Adasum does not support non-global process sets yet.")
-        if runtime.size() & (runtime.size() - 1):
-            raise NotImplementedError(
-                "Running Adasum with non-power of 2 ranks is not supported yet."
-            )
-        adasum_cls = optimizer_subclass(optimizer, _DistributedAdasumOptimizer)
-        return adasum_cls(  # type: ignore[no-any-return]
-            optimizer.param_groups,
-            _check_named_parameters(named_parameters, optimizer.param_groups),
-            compression,
-            backward_passes_per_step,
-            process_set,
-        )
+    """Builds Horovod's per-gradient allreduce variant of ``DistributedOptimizer`` (see
+    :func:`baguahvd.torch.distributed_optimizer.DistributedOptimizer` for the arguments): a
+    subclass of ``type(optimizer)`` with the same name."""
     cls = optimizer_subclass(optimizer, _DistributedOptimizer)
     return cls(  # type: ignore[no-any-return]
         optimizer.param_groups,
         named_parameters,
         compression,
         backward_passes_per_step,
-        reduce_op,
+        op,
         gradient_predivide_factor,
         groups,
         sparse_as_dense,

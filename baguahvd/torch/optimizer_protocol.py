@@ -104,3 +104,37 @@ def optimizer_subclass(optimizer: torch.optim.Optimizer, methods: type) -> type:
             if key not in ("__dict__", "__weakref__")
         )
     return type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
+
+
+def check_named_parameters(
+    named_parameters: Any, param_groups: list[dict[str, Any]]
+) -> list[tuple[str, torch.Tensor]]:
+    """``named_parameters`` as a list, checked to name every parameter of ``param_groups``
+    once; positional names when it is None."""
+    if named_parameters is None:
+        return [
+            (f"allreduce.noname.{i}.{j}", p)
+            for i, group in enumerate(param_groups)
+            for j, p in enumerate(group["params"])
+        ]
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) for item in named):
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), usually "
+            "produced by model.named_parameters()."
+        )
+    names = [name for name, _ in named]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(
+            "Parameter names in named_parameters must be unique. Found duplicates: "
+            + ", ".join(duplicates)
+        )
+    named_ids = {id(p) for _, p in named}
+    unnamed = [id(p) for group in param_groups for p in group["params"] if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError(
+            "named_parameters was specified, but one or more model parameters were not named. "
+            "Python object ids: " + ", ".join(str(i) for i in unnamed)
+        )
+    return named

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from baguahvd.common.basics import runtime
 from baguahvd.common.ops import Sum
+from baguahvd.runtime.state import runtime
 from baguahvd.torch.mpi_ops import allgather, allreduce_
 
 # One name per collective: a SyncBatchNorm blocks until its collective has finished, so

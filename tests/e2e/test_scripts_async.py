@@ -33,8 +33,8 @@ def _report_exit() -> None:
 atexit.register(_report_exit)
 
 import baguahvd.torch as hvd  # noqa: E402
-from baguahvd.algorithms.async_model_average import AsyncModelAverageAlgorithm  # noqa: E402
-from baguahvd.torch.algorithm_optimizer import make_algorithm_optimizer  # noqa: E402
+from baguahvd.torch.algorithms.async_model_average import AsyncModelAverageAlgorithm  # noqa: E402
+from baguahvd.torch.algorithms.optimizer import make_algorithm_optimizer  # noqa: E402
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
@@ -83,8 +83,8 @@ import pytest
 import torch
 
 import baguahvd.torch as hvd
-from baguahvd.algorithms.async_model_average import AsyncModelAverageAlgorithm
-from baguahvd.torch.algorithm_optimizer import make_algorithm_optimizer
+from baguahvd.torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
+from baguahvd.torch.algorithms.optimizer import make_algorithm_optimizer
 
 hvd.init()
 model = torch.nn.Linear(4, 1)

@@ -11,8 +11,8 @@ import time
 import torch
 
 import baguahvd.torch as hvd
-from baguahvd.algorithms.async_model_average import AsyncModelAverageAlgorithm
-from baguahvd.torch.algorithm_optimizer import make_algorithm_optimizer
+from baguahvd.torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
+from baguahvd.torch.algorithms.optimizer import make_algorithm_optimizer
 
 DIM = 16
 OFFSET = 1.0

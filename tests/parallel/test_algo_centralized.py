@@ -7,8 +7,8 @@ import torch
 
 import baguahvd.torch as hvd
 from baguahvd.algorithms import ByteGradAlgorithm, GradientAllReduceAlgorithm
-from baguahvd.algorithms.buckets import split_into_buckets
-from baguahvd.torch.algorithm_optimizer import make_algorithm_optimizer
+from baguahvd.torch.algorithms.buckets import split_into_buckets
+from baguahvd.torch.algorithms.optimizer import make_algorithm_optimizer
 from tests.reference.bytegrad_sim import simulate_bytegrad
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import baguahvd.torch as hvd
-from baguahvd.algorithms.decentralized import DecentralizedAlgorithm
-from baguahvd.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
-from baguahvd.common.basics import runtime
-from baguahvd.torch.algorithm_optimizer import make_algorithm_optimizer
+from baguahvd.runtime.state import runtime
+from baguahvd.torch.algorithms.decentralized import DecentralizedAlgorithm
+from baguahvd.torch.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
+from baguahvd.torch.algorithms.optimizer import make_algorithm_optimizer
 from tests.reference.decentralized_sim import (
     simulate_decentralized,
     simulate_low_precision_decentralized,

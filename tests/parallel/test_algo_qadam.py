@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import baguahvd.torch as hvd
-from baguahvd.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
-from baguahvd.torch.algorithm_optimizer import make_algorithm_optimizer
+from baguahvd.torch.algorithms.optimizer import make_algorithm_optimizer
+from baguahvd.torch.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
 from tests.reference.qadam_sim import simulate_qadam
 
 # Bit-exact in practice; the tolerance allows MPI to order float32 sums of three ranks

@@ -15,8 +15,8 @@ import torch
 
 import baguahvd.algorithms as hvd_algorithms
 import baguahvd.torch as hvd
-from baguahvd.common.basics import runtime
 from baguahvd.common.exceptions import HostsUpdatedInterrupt
+from baguahvd.runtime.state import runtime
 
 
 def _model(seed: int) -> torch.nn.Module:

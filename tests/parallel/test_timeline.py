@@ -15,7 +15,7 @@ os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
 
 import baguahvd.torch as hvd  # noqa: E402
 from baguahvd.algorithms import ByteGradAlgorithm  # noqa: E402
-from baguahvd.torch.algorithm_optimizer import make_algorithm_optimizer  # noqa: E402
+from baguahvd.torch.algorithms.optimizer import make_algorithm_optimizer  # noqa: E402
 
 
 def _load(path: Path) -> list[dict[str, Any]]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from baguahvd.algorithms.decentralized import PEER_SELECTION_MODES
 from baguahvd.common.ops import ReduceOp
 from baguahvd.torch import mpi_ops
+from baguahvd.torch.algorithms.decentralized import PEER_SELECTION_MODES
 
 __all__ = ["MOVABLE", "PEER_SELECTION_MODES", "REDUCE_OPS", "REDUCIBLE"]
 

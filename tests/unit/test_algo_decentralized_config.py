@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from baguahvd.algorithms.decentralized import DecentralizedAlgorithm, shift_one_peer
-from baguahvd.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
+from baguahvd.torch.algorithms.decentralized import DecentralizedAlgorithm, shift_one_peer
+from baguahvd.torch.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
 from tests.reference import decentralized_sim
 
 

@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from baguahvd.algorithms.async_model_average import AsyncModelAverageAlgorithm
-from baguahvd.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+from baguahvd.torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
+from baguahvd.torch.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
 
 
 def _model() -> torch.nn.Module:

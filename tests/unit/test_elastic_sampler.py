@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from baguahvd.common.basics import runtime
+from baguahvd.runtime.state import runtime
 from baguahvd.torch.elastic import ElasticSampler
 
 

@@ -8,7 +8,7 @@ import pathlib
 import pytest
 import torch
 
-from baguahvd.common.elastic import CheckpointStore, HostUpdateResult
+from baguahvd.torch.elastic.base import CheckpointStore, HostUpdateResult
 
 
 def test_newest_commit_wins_and_older_ones_of_the_host_go(tmp_path: pathlib.Path) -> None:

@@ -1,9 +1,9 @@
 """Horovod's ``horovod.torch.elastic``: training that survives failures and host changes."""
 
-from baguahvd.common.basics import runtime as _runtime
-from baguahvd.common.elastic import run_fn as run_fn
+from baguahvd.runtime.state import runtime as _runtime
 from baguahvd.torch.elastic import sampler as sampler
 from baguahvd.torch.elastic import state as state
+from baguahvd.torch.elastic.base import run_fn as run_fn
 from baguahvd.torch.elastic.loop import run
 from baguahvd.torch.elastic.sampler import ElasticSampler
 from baguahvd.torch.elastic.state import TorchState

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from baguahvd.common.basics import runtime
-from baguahvd.common.elastic import run_fn
+from baguahvd.runtime.state import runtime
+from baguahvd.torch.elastic.base import run_fn
 
 _Result = TypeVar("_Result")
 
@@ -21,7 +21,7 @@ def run(func: Callable[..., _Result]) -> Callable[..., _Result]:
 
     The wrapper resumes from the newest commit persisted by an earlier launch of the job
     (under ``baguahvdrun --elastic``), syncs ``state`` from rank 0 and calls ``func``; see
-    :func:`baguahvd.common.elastic.run_fn` for what happens on failures and host changes.
+    :func:`baguahvd.torch.elastic.base.run_fn` for what happens on failures and host changes.
 
     Args:
         func: the training function; its first argument is a ``TorchState``.

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.utils.data
 
-from baguahvd.common.basics import runtime
+from baguahvd.runtime.state import runtime
 
 
 class ElasticSampler(torch.utils.data.Sampler[int]):

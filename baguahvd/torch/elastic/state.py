@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from baguahvd.common.basics import runtime
-from baguahvd.common.elastic import HostUpdateResult, ObjectState
+from baguahvd.runtime.state import runtime
+from baguahvd.torch.elastic.base import HostUpdateResult, ObjectState
 from baguahvd.torch.elastic.sampler import ElasticSampler
 from baguahvd.torch.functions import (
     allgather_object,

@@ -36,9 +36,11 @@ import tempfile
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+import torch
+
 from baguahvd.common import elastic_protocol as protocol
-from baguahvd.common.basics import runtime
 from baguahvd.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from baguahvd.runtime.state import runtime
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +102,6 @@ class CheckpointStore:
 
     def write(self, number: int, payload: Any) -> str:
         """Persists commit ``number`` of this host and removes its older ones."""
-        import torch
-
         path = os.path.join(self.folder, f"commit-{number}.{self.host}.pt")
         descriptor, temporary = tempfile.mkstemp(prefix=".commit-", dir=self.folder)
         try:
@@ -120,8 +120,6 @@ class CheckpointStore:
 
     def read(self, number: int) -> Any:
         """Loads the payload of commit ``number`` (tensors on the CPU)."""
-        import torch
-
         path = self.commits().get(number)
         if path is None:
             raise FileNotFoundError(f"commit {number} is not in {self.folder}")

@@ -12,10 +12,11 @@ whose hooks ``DistributedOptimizer`` calls:
 - ``close()``: the optimizer is discarded or baguahvd shuts down.
 
 The defaults implement bucketed gradient communication: gradients are grouped into buckets
-(:mod:`baguahvd.algorithms.buckets`) in the same order on every rank, a bucket is launched
+(:mod:`baguahvd.torch.algorithms.buckets`) in the same order on every rank, a bucket is launched
 as soon as all its gradients are ready and every earlier bucket has been launched, and one
 worker thread per optimizer runs the buckets' communication in launch order while backward
-continues. Gradient algorithms only override :meth:`GradientAlgorithmImpl.communicate`.
+continues. Gradient algorithms override :meth:`GradientAlgorithmImpl.communicate`, and
+those that communicate something other than the gradients also ``pack`` and ``unpack``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from baguahvd.algorithms.buckets import Bucket, split_into_buckets
-from baguahvd.common.process_sets import ProcessSet
+from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.torch.algorithms.buckets import Bucket, split_into_buckets
 
 DEFAULT_BUCKET_BYTES = 10 * 1024 * 1024
 
@@ -169,7 +170,7 @@ class GradientAlgorithmImpl(AlgorithmImpl):
 
     def _launch(self, bucket: Bucket) -> None:
         self._next += 1
-        bucket.gather_grads()
+        self.pack(bucket)
         self._worker.submit(lambda: self.communicate(bucket))
 
     def synchronize(self) -> None:
@@ -181,11 +182,21 @@ class GradientAlgorithmImpl(AlgorithmImpl):
             self._next = 0
             self._ready.clear()
         for bucket in self.buckets:
-            bucket.scatter_grads()
+            self.unpack(bucket)
+
+    def pack(self, bucket: Bucket) -> None:
+        """Fills ``bucket.flat`` before its communication (on the training thread, buckets
+        in order): the gradients by default."""
+        bucket.gather_grads()
 
     def communicate(self, bucket: Bucket) -> None:
         """Reduces ``bucket.flat`` in place across the process set (on the worker thread)."""
         raise NotImplementedError
+
+    def unpack(self, bucket: Bucket) -> None:
+        """Writes the communicated ``bucket.flat`` back (in ``synchronize``, after every
+        bucket's communication): into the gradients by default."""
+        bucket.scatter_grads()
 
     def close(self) -> None:
         self._worker.close()

@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from baguahvd.common.basics import runtime
-from baguahvd.common.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.state import runtime
 from baguahvd.torch.functions import allgather_object
 from baguahvd.torch.mpi_ops import Average, allreduce_, broadcast_
 
@@ -44,15 +44,15 @@ class Hierarchy:
         self.node_count = len(ordered)
 
     def run(
-        self,
-        flat: torch.Tensor,
-        name: str,
-        body: Callable[[torch.Tensor, ProcessSet], None],
-        reduce_first: bool = True,
+        self, flat: torch.Tensor, name: str, body: Callable[[torch.Tensor, ProcessSet], None]
     ) -> None:
-        """Node average (if ``reduce_first``), ``body`` on the leaders, node broadcast."""
-        if reduce_first:
-            allreduce_(flat, name=f"{name}.node_reduce", op=Average, process_set=self.node_set)
+        """Node average, ``body`` on the leaders, node broadcast."""
+        allreduce_(flat, name=f"{name}.node_reduce", op=Average, process_set=self.node_set)
         if self.is_leader:
             body(flat, self.leader_set)
         broadcast_(flat, self.leader, name=f"{name}.node_bcast", process_set=self.node_set)
+
+
+def optional_hierarchy(process_set: ProcessSet, hierarchical: bool) -> Hierarchy | None:
+    """The hierarchy of ``process_set`` when ``hierarchical`` (collective), else None."""
+    return Hierarchy(process_set) if hierarchical else None

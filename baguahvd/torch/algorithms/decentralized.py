@@ -21,12 +21,13 @@ ranks) are the gossip participants.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
 
-from baguahvd.algorithms.base import (
+from baguahvd.kernels import average_
+from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
@@ -35,16 +36,18 @@ from baguahvd.algorithms.base import (
     check_bool,
     check_int,
 )
-from baguahvd.algorithms.buckets import Bucket, split_into_buckets
-from baguahvd.algorithms.hierarchy import Hierarchy
-from baguahvd.common.process_sets import ProcessSet
-from baguahvd.kernels import average_
-from baguahvd.torch.mpi_ops import Average, allreduce_, alltoall, broadcast_
+from baguahvd.torch.algorithms.buckets import split_into_buckets
+from baguahvd.torch.algorithms.hierarchy import optional_hierarchy
+from baguahvd.torch.algorithms.primitives import (
+    KERNEL_DTYPES,
+    Exchange,
+    among_participants,
+    broadcast_weights,
+    set_size_and_rank,
+)
+from baguahvd.torch.mpi_ops import Average, allreduce_, alltoall
 
 PEER_SELECTION_MODES = ("all", "shift_one")
-
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-"""dtypes the elementwise and compression kernels accept."""
 
 _ONE_BUCKET_BYTES = 1 << 62
 """A bucket size no model reaches: one bucket per dtype."""
@@ -68,33 +71,10 @@ def shift_one_peer(rank: int, size: int, shift: int) -> int:
     return (rank - half - shift) % half
 
 
-def broadcast_weights(
-    buckets: Sequence[Bucket], process_set: ProcessSet, prefix: str
-) -> None:
-    """Overwrites every rank's parameters with those of the process set's first rank.
-
-    Decentralized algorithms need every rank to start from the same model: the replicas of
-    the low-precision variant, in particular, are only consistent if they start equal.
-    """
-    ranks = process_set.ranks or [0]
-    for bucket in buckets:
-        bucket.gather_weights()
-        broadcast_(
-            bucket.flat, ranks[0], name=f"{prefix}.init.bucket{bucket.index}",
-            process_set=process_set,
-        )
-        bucket.scatter_weights()
-
-
-def set_size_and_rank(process_set: ProcessSet) -> tuple[int, int]:
-    """``(size, rank)`` of this process in a registered process set."""
-    return int(process_set.size() or 1), int(process_set.rank() or 0)
-
-
 class DecentralizedAlgorithm(Algorithm):
     """Decentralized SGD with full-precision weight averaging (D-PSGD, arXiv 1705.09056).
 
-    The steps are listed in :mod:`baguahvd.algorithms.decentralized`. The models of the
+    The steps are listed in :mod:`baguahvd.torch.algorithms.decentralized`. The models of the
     ranks differ during training (except right after an ``"all"`` averaging); evaluate per
     rank or average once explicitly at the end.
 
@@ -146,7 +126,7 @@ class _DecentralizedImpl(AlgorithmImpl):
 
     def __init__(self, algorithm: DecentralizedAlgorithm, context: AlgorithmContext) -> None:
         super().__init__(algorithm, context)
-        self.hierarchy = Hierarchy(context.process_set) if algorithm.hierarchical else None
+        self.hierarchy = optional_hierarchy(context.process_set, algorithm.hierarchical)
         if algorithm.peer_selection_mode == "shift_one":
             self._check_even(context)
         self.buckets = split_into_buckets(context.parameters, _ONE_BUCKET_BYTES)
@@ -206,18 +186,15 @@ class _DecentralizedImpl(AlgorithmImpl):
     def _exchange(self, shift: int) -> None:
         for bucket, peer in zip(self.buckets, self.peer_weights):
             name = bucket_name(self.algorithm, bucket)
-            if self.hierarchy is None:
-                self._mix(peer, name, self.context.process_set, shift)
-            else:
-                self.hierarchy.run(peer, name, self._leader_body(name, shift))
+            among_participants(
+                peer, name, self.context.process_set, self.hierarchy, self._mixer(name, shift)
+            )
 
-    def _leader_body(
-        self, name: str, shift: int
-    ) -> Callable[[torch.Tensor, ProcessSet], None]:
-        def body(flat: torch.Tensor, leaders: ProcessSet) -> None:
-            self._mix(flat, name, leaders, shift)
+    def _mixer(self, name: str, shift: int) -> Exchange:
+        def mix(flat: torch.Tensor, participants: ProcessSet) -> None:
+            self._mix(flat, name, participants, shift)
 
-        return body
+        return mix
 
     def _mix(self, flat: torch.Tensor, name: str, process_set: ProcessSet, shift: int) -> None:
         size, rank = set_size_and_rank(process_set)

@@ -8,7 +8,7 @@ leaders, node broadcast.
 
 from __future__ import annotations
 
-from baguahvd.algorithms.base import (
+from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
@@ -16,10 +16,9 @@ from baguahvd.algorithms.base import (
     bucket_name,
     check_bool,
 )
-from baguahvd.algorithms.buckets import Bucket
-from baguahvd.algorithms.hierarchy import Hierarchy
-from baguahvd.common.process_sets import ProcessSet
-from baguahvd.torch.mpi_ops import Average, Sum, allreduce_
+from baguahvd.torch.algorithms.buckets import Bucket
+from baguahvd.torch.algorithms.hierarchy import optional_hierarchy
+from baguahvd.torch.algorithms.primitives import centralized_reduce
 
 
 class GradientAllReduceAlgorithm(Algorithm):
@@ -48,18 +47,13 @@ class _GradientAllReduceImpl(GradientAlgorithmImpl):
 
     def __init__(self, algorithm: GradientAllReduceAlgorithm, context: AlgorithmContext) -> None:
         super().__init__(algorithm, context)
-        self.hierarchy = Hierarchy(context.process_set) if algorithm.hierarchical else None
+        self.hierarchy = optional_hierarchy(context.process_set, algorithm.hierarchical)
 
     def communicate(self, bucket: Bucket) -> None:
-        op = Average if self.algorithm.average else Sum
-        name = bucket_name(self.algorithm, bucket)
-        if self.hierarchy is None:
-            allreduce_(bucket.flat, name=name, op=op, process_set=self.context.process_set)
-            return
-
-        def among_leaders(flat: object, leaders: ProcessSet) -> None:
-            allreduce_(bucket.flat, name=name, op=Average, process_set=leaders)
-            if not self.algorithm.average:
-                bucket.flat.mul_(self.context.size)
-
-        self.hierarchy.run(bucket.flat, name, among_leaders)
+        centralized_reduce(
+            bucket.flat,
+            bucket_name(self.algorithm, bucket),
+            self.context.process_set,
+            self.hierarchy,
+            average=self.algorithm.average,
+        )

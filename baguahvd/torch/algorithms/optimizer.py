@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 
-from baguahvd.algorithms import Algorithm, AlgorithmContext
-from baguahvd.algorithms.base import DEFAULT_BUCKET_BYTES
-from baguahvd.common.basics import runtime
-from baguahvd.common.process_sets import ProcessSet
+from baguahvd.runtime.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.state import runtime
+from baguahvd.torch.algorithms.base import DEFAULT_BUCKET_BYTES, Algorithm, AlgorithmContext
+from baguahvd.torch.algorithms.registry import resolve
 from baguahvd.torch.optimizer_protocol import (
     ZERO_GRAD_RACE,
     SynchronizeProtocol,
+    check_named_parameters,
     optimizer_subclass,
 )
 
@@ -110,12 +111,8 @@ def make_algorithm_optimizer(
 ) -> torch.optim.Optimizer:
     """Builds the algorithm variant of ``DistributedOptimizer`` (which calls this for
     ``algorithm=...``): a subclass of ``type(optimizer)`` with the same name."""
-    from baguahvd.algorithms import resolve
-    from baguahvd.common.process_sets import global_process_set
-    from baguahvd.torch.optimizer import _check_named_parameters
-
     resolved = resolve(algorithm)
-    named = _check_named_parameters(named_parameters, optimizer.param_groups)
+    named = check_named_parameters(named_parameters, optimizer.param_groups)
     cls = optimizer_subclass(optimizer, _AlgorithmOptimizer)
     bucket_bytes = runtime.config.bucket_bytes if runtime.config is not None else None
     return cls(  # type: ignore[no-any-return]

@@ -7,7 +7,7 @@ same in its ``HorovodGlobalState``); the public functions are its bound methods.
 from __future__ import annotations
 
 import atexit
-import itertools
+import dataclasses
 import logging
 import sys
 import threading
@@ -22,11 +22,11 @@ from baguahvd.common.exceptions import (
     NotInitializedError,
     ShutDownError,
 )
-from baguahvd.common.process_sets import ProcessSet, global_process_set
 from baguahvd.engine.engine import GLOBAL_PROCESS_SET_ID, Engine
 from baguahvd.engine.messages import OpType
 from baguahvd.engine.notices import describe_exception
-from baguahvd.engine.requests import Handle
+from baguahvd.runtime.handles import HandleTable
+from baguahvd.runtime.process_sets import ProcessSet, check_ranks, global_process_set
 
 if TYPE_CHECKING:
     from baguahvd.backends.mpi import MPICommunicator
@@ -37,33 +37,6 @@ _INIT_FAILED = (
     "Horovod initialization failed. Please check log messages above for a more descriptive "
     "error."
 )
-
-
-class HandleTable:
-    """Maps the integer handles users hold to engine handles and result builders.
-
-    Used from any user thread without a lock: each operation is one call on a counter or a
-    dict, which the interpreter runs atomically.
-    """
-
-    def __init__(self) -> None:
-        self._numbers = itertools.count()
-        self._entries: dict[int, tuple[Handle, Callable[[Handle], Any]]] = {}
-
-    def add(self, handle: Handle, finish: Callable[[Handle], Any]) -> int:
-        number = next(self._numbers)
-        self._entries[number] = (handle, finish)
-        return number
-
-    def get(self, number: int) -> Handle | None:
-        entry = self._entries.get(number)
-        return None if entry is None else entry[0]
-
-    def pop(self, number: int) -> tuple[Handle, Callable[[Handle], Any]] | None:
-        return self._entries.pop(number, None)
-
-    def clear(self) -> None:
-        self._entries.clear()
 
 
 class Runtime:
@@ -123,6 +96,9 @@ class Runtime:
                 self._atexit_registered = True
 
     def _start(self, config: Config, comm: Any, process_sets: list[ProcessSet]) -> None:
+        # backends.mpi is imported here, not at the top: importing it starts MPI, which
+        # must wait until prepare_mpi has chosen the thread level, and must not happen on
+        # a mere ``import baguahvd.torch``.
         from baguahvd.backends import prepare_mpi
 
         prepare_mpi(config.mpi_threads_disable)
@@ -161,7 +137,7 @@ class Runtime:
                 ranks = next((v for v in views if v is not None), [])
             else:
                 ranks = list(process_set.ranks or ())
-            _check_ranks(ranks, topology.size)
+            check_ranks(ranks, topology.size)
             if sorted(ranks) in resolved:
                 raise ValueError(
                     "Horovod could not be initialized because process_sets entry number "
@@ -170,9 +146,9 @@ class Runtime:
             resolved.append(sorted(ranks))
         for process_set, ranks in zip(process_sets, resolved):
             process_set.ranks = ranks
-            process_set.process_set_id = engine.register_process_set(ranks)
+            process_set.bind(engine.register_process_set(ranks), self)
         global_process_set.ranks = list(range(topology.size))
-        global_process_set.process_set_id = GLOBAL_PROCESS_SET_ID
+        global_process_set.bind(GLOBAL_PROCESS_SET_ID, self)
         self.config = config
         self.topology = topology
         self._base_comm = base
@@ -248,6 +224,11 @@ class Runtime:
 
     def is_initialized(self) -> bool:
         return self.engine is not None
+
+    def is_registered(self, process_set_id: int) -> bool:
+        """Whether the running engine knows the process set ``process_set_id``."""
+        engine = self.engine
+        return engine is not None and process_set_id in engine.process_sets
 
     def on_shutdown(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Calls ``callback()`` at the start of the next :meth:`shutdown` (also the one at
@@ -356,11 +337,11 @@ class Runtime:
                 "hvd.init(process_sets=[...])."
             )
         ranks = list(process_set.ranks or ())
-        _check_ranks(ranks, self.size())
+        check_ranks(ranks, self.size())
         for state in list(engine.process_sets.values()):
             if list(state.ranks) == ranks:
                 raise ValueError(f"Attempted to add a duplicate process set: {process_set}")
-        process_set.process_set_id = _register(engine, ranks)
+        process_set.bind(_register(engine, ranks), self)
         return process_set
 
     def internal_process_set(self, ranks: Sequence[int]) -> ProcessSet:
@@ -370,16 +351,16 @@ class Runtime:
         ranks, in the same order."""
         engine = self.require_engine()
         ranks = sorted(ranks)
-        _check_ranks(ranks, self.size())
+        check_ranks(ranks, self.size())
         for ident, state in list(engine.process_sets.items()):
             if list(state.ranks) == ranks:
                 if ident == GLOBAL_PROCESS_SET_ID:
                     return global_process_set
                 existing = ProcessSet(ranks)
-                existing.process_set_id = ident
+                existing.bind(ident, self)
                 return existing
         created = ProcessSet(ranks)
-        created.process_set_id = _register(engine, ranks)
+        created.bind(_register(engine, ranks), self)
         return created
 
     def remove_process_set(self, process_set: ProcessSet) -> bool:
@@ -403,7 +384,7 @@ class Runtime:
             payload=(ident,),
         )
         handle.wait()
-        process_set._invalidate()
+        process_set.unbind()
         return True
 
     def process_set_ids_and_ranks(self) -> dict[int, list[int]]:
@@ -427,17 +408,7 @@ def _register(engine: Engine, ranks: list[int]) -> int:
     return int(handle.extra)
 
 
-def _check_ranks(ranks: Sequence[int], size: int) -> None:
-    bad = [r for r in ranks if not 0 <= r < size]
-    if bad:
-        raise ValueError(f"Process set ranks {bad} are outside the job's ranks 0..{size - 1}.")
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"Process set ranks {sorted(ranks)} contain duplicates.")
-
-
 def _with(config: Config, **changes: Any) -> Config:
-    import dataclasses
-
     return dataclasses.replace(config, **changes)
 
 

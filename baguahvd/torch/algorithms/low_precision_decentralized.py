@@ -26,12 +26,17 @@ to ``x = w + Q(mean_node(x) - w)``, a quantized node average (implemented, not r
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
 
-from baguahvd.algorithms.base import (
+from baguahvd.kernels import (
+    compress_minmax_uint8,
+    decompress_add_minmax_uint8_,
+    lowprec_decentralized_diff_,
+)
+from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
@@ -39,18 +44,14 @@ from baguahvd.algorithms.base import (
     check_bool,
     check_int,
 )
-from baguahvd.algorithms.buckets import split_into_buckets
-from baguahvd.algorithms.decentralized import (
-    KERNEL_DTYPES,
+from baguahvd.torch.algorithms.buckets import split_into_buckets
+from baguahvd.torch.algorithms.hierarchy import optional_hierarchy
+from baguahvd.torch.algorithms.primitives import (
+    Exchange,
+    among_participants,
     broadcast_weights,
+    check_compressible,
     set_size_and_rank,
-)
-from baguahvd.algorithms.hierarchy import Hierarchy
-from baguahvd.common.process_sets import ProcessSet
-from baguahvd.kernels import (
-    compress_minmax_uint8,
-    decompress_add_minmax_uint8_,
-    lowprec_decentralized_diff_,
 )
 from baguahvd.torch.mpi_ops import alltoall
 
@@ -70,7 +71,7 @@ class Replicas:
 class LowPrecisionDecentralizedAlgorithm(Algorithm):
     """Ring gossip of compressed weight differences (arXiv 1803.06443).
 
-    The steps are listed in :mod:`baguahvd.algorithms.low_precision_decentralized`.
+    The steps are listed in :mod:`baguahvd.torch.algorithms.low_precision_decentralized`.
     Parameters must be float32, float16 or bfloat16. The ranks' models differ during
     training; the replicas are seeded when the optimizer is built, so the weights must not
     be changed behind the optimizer's back afterwards.
@@ -101,12 +102,7 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
             ValueError: a parameter of an unsupported dtype, or ``hierarchical=True`` with a
                 process set other than the global one.
         """
-        for name, p in context.parameters:
-            if p.dtype not in KERNEL_DTYPES:
-                raise ValueError(
-                    f"{self.name} compresses float32/float16/bfloat16 weights; parameter "
-                    f"{name} is {p.dtype}."
-                )
+        check_compressible(self.name, context.parameters, "weights")
         return _LowPrecisionDecentralizedImpl(self, context)
 
 
@@ -117,7 +113,7 @@ class _LowPrecisionDecentralizedImpl(AlgorithmImpl):
         self, algorithm: LowPrecisionDecentralizedAlgorithm, context: AlgorithmContext
     ) -> None:
         super().__init__(algorithm, context)
-        self.hierarchy = Hierarchy(context.process_set) if algorithm.hierarchical else None
+        self.hierarchy = optional_hierarchy(context.process_set, algorithm.hierarchical)
         self.buckets = split_into_buckets(context.parameters, context.bucket_bytes)
         broadcast_weights(self.buckets, context.process_set, f"bagua.{algorithm.name}")
         # Only ranks that run the ring (all, or the node leaders) track replicas.
@@ -140,17 +136,16 @@ class _LowPrecisionDecentralizedImpl(AlgorithmImpl):
         for index, bucket in enumerate(self.buckets):
             x = bucket.gather_weights()
             name = bucket_name(self.algorithm, bucket)
-            if self.hierarchy is None:
-                self._ring_step(x, self.replicas[index], name, self.context.process_set)
-            else:
-                self.hierarchy.run(x, name, self._leader_body(index, name))
+            among_participants(
+                x, name, self.context.process_set, self.hierarchy, self._ring(index, name)
+            )
             bucket.scatter_weights(x)
 
-    def _leader_body(self, index: int, name: str) -> Callable[[torch.Tensor, ProcessSet], None]:
-        def body(flat: torch.Tensor, leaders: ProcessSet) -> None:
-            self._ring_step(flat, self.replicas[index], name, leaders)
+    def _ring(self, index: int, name: str) -> Exchange:
+        def ring(flat: torch.Tensor, participants: ProcessSet) -> None:
+            self._ring_step(flat, self.replicas[index], name, participants)
 
-        return body
+        return ring
 
     def _ring_step(
         self, x: torch.Tensor, replicas: Replicas, name: str, process_set: ProcessSet

@@ -19,8 +19,8 @@ Steps, with ``t`` the optimizer step being taken and ``W = warmup_steps``:
 
    a. ``m ← β1·m + (1 − β1)·g`` with this rank's raw gradient ``g`` (no weight decay);
    b. average ``m`` over the ranks with ByteGrad's compressed scatter-gather
-      (:func:`baguahvd.algorithms.bytegrad.compressed_average`; hierarchical: full-precision
-      node average, compressed exchange among node leaders, node broadcast).
+      (:class:`baguahvd.torch.algorithms.primitives.MinMaxUInt8`; hierarchical:
+      full-precision node average, compressed exchange among node leaders, node broadcast).
 
    The step then applies ``p ← p − lr/(1 − β1^t) · m / (sqrt(v)/sqrt(1 − β2^t) + eps)``
    with the averaged ``m`` and the frozen ``v``; every rank holds the same ``m`` and ``v``,
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from baguahvd.algorithms.base import (
+from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
@@ -55,16 +55,17 @@ from baguahvd.algorithms.base import (
     bucket_name,
     check_bool,
 )
-from baguahvd.algorithms.buckets import Bucket
-from baguahvd.algorithms.bytegrad import compressed_average
-from baguahvd.algorithms.hierarchy import Hierarchy
-from baguahvd.common.process_sets import ProcessSet
-from baguahvd.torch.mpi_ops import Average, allreduce_async_, broadcast_async_, synchronize
+from baguahvd.torch.algorithms.buckets import Bucket
+from baguahvd.torch.algorithms.hierarchy import optional_hierarchy
+from baguahvd.torch.algorithms.primitives import (
+    MinMaxUInt8,
+    centralized_reduce,
+    check_compressible,
+)
+from baguahvd.torch.mpi_ops import broadcast_async_, synchronize
 
 DEFAULT_WARMUP_STEPS = 100
 """Warmup of ``algorithm="qadam"`` around a ``torch.optim.Adam`` (QAdamOptimizer's default)."""
-
-_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _step_dtype() -> torch.dtype:
@@ -265,12 +266,7 @@ class QAdamAlgorithm(Algorithm):
                     )
             if isinstance(optimizer, torch.optim.AdamW):
                 raise ValueError("qadam implements Adam with L2 weight decay, not AdamW.")
-        for name, p in context.parameters:
-            if p.dtype not in _SUPPORTED:
-                raise ValueError(
-                    f"qadam compresses float32/float16/bfloat16 moments; parameter {name} is "
-                    f"{p.dtype}."
-                )
+        check_compressible(self.name, context.parameters, "moments")
         return QAdamImpl(self, context, self.warmup_steps_for(optimizer))
 
 
@@ -285,7 +281,7 @@ class QAdamImpl(GradientAlgorithmImpl):
     ) -> None:
         super().__init__(algorithm, context)
         self.warmup_steps = warmup_steps
-        self.hierarchy = Hierarchy(context.process_set) if algorithm.hierarchical else None
+        self.hierarchy = optional_hierarchy(context.process_set, algorithm.hierarchical)
         self._group_of = {
             id(p): group for group in context.optimizer.param_groups for p in group["params"]
         }
@@ -306,53 +302,38 @@ class QAdamImpl(GradientAlgorithmImpl):
 
     # -- hooks ---------------------------------------------------------------------------
 
-    def _launch(self, bucket: Bucket) -> None:
-        if self._next == 0 and not self.compressing and (
+    def pack(self, bucket: Bucket) -> None:
+        if bucket is self.buckets[0] and not self.compressing and (
             self.optimizer_step_id() >= self.warmup_steps
         ):
             # A checkpoint past the warmup was loaded after wrapping.
             self._switch()
-        self._next += 1
         if self.compressing:
             self._update_moments(bucket)
         else:
             bucket.gather_grads()
-        self._worker.submit(lambda: self.communicate(bucket))
 
     def communicate(self, bucket: Bucket) -> None:
-        process_set = self.context.process_set
-        if not self.compressing:
-            synchronize(
-                allreduce_async_(
-                    bucket.flat, name=bucket_name(self.algorithm, bucket, "grad"), op=Average,
-                    process_set=process_set,
-                )
+        if self.compressing:
+            centralized_reduce(
+                bucket.flat,
+                bucket_name(self.algorithm, bucket, "momentum"),
+                self.context.process_set,
+                self.hierarchy,
+                compressor=MinMaxUInt8(),
             )
-            return
-        name = bucket_name(self.algorithm, bucket, "momentum")
-        if self.hierarchy is None:
-            compressed_average(bucket.flat, name, process_set, self.context.size, True)
-            return
-        hierarchy = self.hierarchy
+        else:
+            centralized_reduce(
+                bucket.flat,
+                bucket_name(self.algorithm, bucket, "grad"),
+                self.context.process_set,
+            )
 
-        def among_leaders(flat: torch.Tensor, leaders: ProcessSet) -> None:
-            compressed_average(flat, name, leaders, hierarchy.node_count, True)
-
-        hierarchy.run(bucket.flat, name, among_leaders)
-
-    def synchronize(self) -> None:
-        while self._next < len(self.buckets):
-            self._launch(self.buckets[self._next])
-        try:
-            self._worker.wait()
-        finally:
-            self._next = 0
-            self._ready.clear()
-        for bucket in self.buckets:
-            if self.compressing:
-                self._scatter_moments(bucket)
-            else:
-                bucket.scatter_grads()
+    def unpack(self, bucket: Bucket) -> None:
+        if self.compressing:
+            self._scatter_moments(bucket)
+        else:
+            bucket.scatter_grads()
 
     def step(self, closure: Any, optimizer_step: Callable[[Any], Any]) -> Any:
         if not self.compressing:

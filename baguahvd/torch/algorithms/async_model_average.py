@@ -10,7 +10,7 @@ Descent", arXiv 1710.06952).
 Steps:
 
 1. **Warmup** (the first ``warmup_steps`` optimizer steps): ordinary bucketed gradient
-   allreduce (average), as in :mod:`baguahvd.algorithms.gradient_allreduce`.
+   allreduce (average), as in :mod:`baguahvd.torch.algorithms.gradient_allreduce`.
 2. **Switch** (at the first optimizer step after warmup, on every rank): broadcast the
    weights of the process set's first rank, create two private duplicated communicators
    (one for the averaging rounds, one for the barriers of :meth:`abort`/:meth:`resume`)
@@ -54,7 +54,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from baguahvd.algorithms.base import (
+from baguahvd.common.exceptions import HorovodInternalError
+from baguahvd.common.ops import ReduceOp
+from baguahvd.kernels import async_model_average_
+from baguahvd.runtime.state import runtime
+from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
@@ -63,11 +67,8 @@ from baguahvd.algorithms.base import (
     check_int,
     check_positive,
 )
-from baguahvd.algorithms.buckets import Bucket, split_into_buckets
-from baguahvd.common.basics import runtime
-from baguahvd.common.exceptions import HorovodInternalError
-from baguahvd.common.ops import ReduceOp
-from baguahvd.kernels import async_model_average_
+from baguahvd.torch.algorithms.buckets import Bucket, split_into_buckets
+from baguahvd.torch.algorithms.primitives import KERNEL_DTYPES
 from baguahvd.torch.mpi_ops import Average, allreduce_async_, broadcast_async_, synchronize
 
 if TYPE_CHECKING:
@@ -80,7 +81,6 @@ SHUTDOWN_TIMEOUT_S = 30.0
 averaging before leaving the thread behind."""
 
 _STALL_WARNING_S = 60.0
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class AsyncModelAverageAlgorithm(Algorithm):
@@ -401,7 +401,7 @@ class AsyncModelAverageImpl(GradientAlgorithmImpl):
             self._wait(comm.iallreduce(snapshot, total, ReduceOp.SUM))
         with self._lock:
             for pending, total, snapshot in zip(self._pending, self._sums, snapshots):
-                if pending.dtype in _KERNEL_DTYPES:
+                if pending.dtype in KERNEL_DTYPES:
                     async_model_average_(pending, total, snapshot, comm.size)
                 else:
                     pending.add_(total / comm.size - snapshot)

@@ -1,0 +1,108 @@
+"""``DistributedOptimizer``: chooses among Horovod's per-gradient allreduce
+(:mod:`baguahvd.torch.optimizer`), Horovod's Adasum delta optimizer
+(:mod:`baguahvd.torch.adasum_optimizer`) and a Bagua algorithm
+(:mod:`baguahvd.torch.algorithms.optimizer`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from baguahvd.common.ops import Adasum, Average, ReduceOp, to_reduce_op
+from baguahvd.runtime.process_sets import ProcessSet, global_process_set
+from baguahvd.runtime.state import runtime
+from baguahvd.torch.adasum_optimizer import make_adasum_optimizer
+from baguahvd.torch.algorithms.optimizer import make_algorithm_optimizer
+from baguahvd.torch.algorithms.registry import resolve
+from baguahvd.torch.compression import Compression
+from baguahvd.torch.optimizer import make_allreduce_optimizer
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: Any = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: int = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
+    *,
+    algorithm: Any = None,
+) -> torch.optim.Optimizer:
+    """Wraps ``optimizer`` so that gradients are averaged across ranks before each step.
+
+    The result is a new optimizer of a subclass of ``type(optimizer)`` (same class name),
+    built from ``optimizer.param_groups``; hooks start an allreduce for each gradient as soon
+    as it is ready, and ``step()`` waits for them.
+
+    Args:
+        optimizer: the optimizer to wrap.
+        named_parameters: ``model.named_parameters()``; names key the allreduces across ranks
+            (default: positional names).
+        compression: ``Compression.none``, ``.fp16`` or ``.bf16``.
+        backward_passes_per_step: backward passes accumulated locally per allreduce.
+        op: ``Average`` (default), ``Sum`` or ``Adasum``.
+        gradient_predivide_factor: with ``Average``, divide by this before the sum and
+            multiply after (the set size still divides).
+        num_groups: deprecated; use ``groups``.
+        groups: an int (split the parameters into that many fused groups) or a list of
+            lists of parameters, each allreduced as one unit.
+        sparse_as_dense: allreduce sparse gradients as dense tensors.
+        process_set: the ranks that average gradients.
+        algorithm: a Bagua algorithm (keyword only): a registered name such as
+            ``"bytegrad"`` or an algorithm object carrying hyperparameters. Default: the
+            ``BAGUAHVD_ALGORITHM`` setting, else Horovod's per-gradient allreduce.
+    """
+    reduce_op = to_reduce_op(op)
+    if gradient_predivide_factor != 1.0 and reduce_op != ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn(
+            "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        if groups is None:
+            groups = num_groups
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    chosen = algorithm
+    if chosen is None and runtime.config is not None:
+        chosen = runtime.config.algorithm
+    if chosen is not None:
+        resolved = resolve(chosen)
+        if reduce_op != ReduceOp.AVERAGE or compression is not Compression.none or groups:
+            raise ValueError(
+                f"algorithm={resolved.name!r} does its own reduction and compression; "
+                "op, compression and groups only apply to Horovod's allreduce (algorithm=None)."
+            )
+        return make_algorithm_optimizer(
+            optimizer, named_parameters, resolved, backward_passes_per_step, process_set
+        )
+    if reduce_op == Adasum and runtime.size() > 1:
+        return make_adasum_optimizer(
+            optimizer,
+            named_parameters,
+            compression,
+            backward_passes_per_step,
+            process_set,
+            runtime.size(),
+        )
+    return make_allreduce_optimizer(
+        optimizer,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        reduce_op,
+        gradient_predivide_factor,
+        groups,
+        sparse_as_dense,
+        process_set,
+    )
