@@ -388,8 +388,12 @@ class Runtime:
         return True
 
     def process_set_ids_and_ranks(self) -> dict[int, list[int]]:
+        """Every registered process set's id and world ranks."""
         engine = self.require_engine()
         return {ident: list(state.ranks) for ident, state in engine.process_sets.items()}
+
+    # Horovod's name: its tests call ``hvd.mpi_ops._basics._get_process_set_ids_and_ranks()``.
+    _get_process_set_ids_and_ranks = process_set_ids_and_ranks
 
 
 def _failure(exc: BaseException | None) -> str | None:

@@ -35,11 +35,7 @@ from baguahvd.torch.compression import Compression
 
 __all__ = [
     "Adasum",
-    "Average",
-    "Max",
-    "Min",
-    "Product",
-    "Sum",
+    "add_process_set",
     "allgather",
     "allgather_async",
     "allreduce",
@@ -48,11 +44,20 @@ __all__ = [
     "allreduce_async_",
     "alltoall",
     "alltoall_async",
+    "Average",
     "barrier",
     "broadcast",
     "broadcast_",
     "broadcast_async",
     "broadcast_async_",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
     "grouped_allgather",
     "grouped_allgather_async",
     "grouped_allreduce",
@@ -61,11 +66,30 @@ __all__ = [
     "grouped_allreduce_async_",
     "grouped_reducescatter",
     "grouped_reducescatter_async",
+    "init",
+    "is_homogeneous",
+    "is_initialized",
     "join",
+    "local_rank",
+    "local_size",
+    "Max",
+    "Min",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
     "poll",
+    "ProcessSet",
+    "Product",
+    "rank",
     "reducescatter",
     "reducescatter_async",
+    "remove_process_set",
+    "rocm_built",
+    "shutdown",
+    "size",
     "sparse_allreduce_async",
+    "Sum",
     "synchronize",
 ]
 
@@ -73,6 +97,35 @@ _REDUCIBLE = frozenset(
     {torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64}
 )
 _MOVABLE = _REDUCIBLE | {torch.uint8, torch.int8, torch.int16}
+
+
+# ---------------------------------------------------------------------------------------
+# Basics and process sets, bound here as in Horovod's file (``from horovod.torch.mpi_ops
+# import size, rank`` works, and ``_basics`` is the object behind them)
+
+_basics = runtime
+init = _basics.init
+shutdown = _basics.shutdown
+is_initialized = _basics.is_initialized
+size = _basics.size
+local_size = _basics.local_size
+cross_size = _basics.cross_size
+rank = _basics.rank
+local_rank = _basics.local_rank
+cross_rank = _basics.cross_rank
+is_homogeneous = _basics.is_homogeneous
+mpi_threads_supported = _basics.mpi_threads_supported
+mpi_enabled = _basics.mpi_enabled
+gloo_enabled = _basics.gloo_enabled
+mpi_built = capabilities.mpi_built
+gloo_built = capabilities.gloo_built
+nccl_built = capabilities.nccl_built
+ddl_built = capabilities.ddl_built
+ccl_built = capabilities.ccl_built
+cuda_built = capabilities.cuda_built
+rocm_built = capabilities.rocm_built
+add_process_set = _basics.add_process_set
+remove_process_set = _basics.remove_process_set
 
 
 # ---------------------------------------------------------------------------------------
@@ -1041,10 +1094,6 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 def _check_has_gpu() -> bool:
     return torch.cuda.is_available()
-
-
-def nccl_built() -> int:
-    return capabilities.nccl_built()
 
 
 # ---------------------------------------------------------------------------------------
