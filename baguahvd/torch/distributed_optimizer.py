@@ -73,6 +73,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
             groups = num_groups
     if backward_passes_per_step <= 0:
         raise ValueError("backward_passes_per_step must be > 0")
+    # Before init() this raises Horovod's not-initialized error: an optimizer built then
+    # would register no hooks and the ranks would silently train apart.
+    world_size = runtime.size()
     chosen = algorithm
     if chosen is None and runtime.config is not None:
         chosen = runtime.config.algorithm
@@ -86,14 +89,14 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
         return make_algorithm_optimizer(
             optimizer, named_parameters, resolved, backward_passes_per_step, process_set
         )
-    if reduce_op == Adasum and runtime.size() > 1:
+    if reduce_op == Adasum and world_size > 1:
         return make_adasum_optimizer(
             optimizer,
             named_parameters,
             compression,
             backward_passes_per_step,
             process_set,
-            runtime.size(),
+            world_size,
         )
     return make_allreduce_optimizer(
         optimizer,

@@ -87,7 +87,8 @@ def broadcast_optimizer_state(
     tensor of the root's shape, and every scalar (``lr``, ``betas``, ``step``...) keeps its
     Python type. Unlike Horovod, no optimizer step is taken to create missing state, so the
     root's state and step count are never altered; an optimizer that has not stepped yet
-    leaves every rank without state.
+    leaves every rank without state. As after Horovod's step, an optimizer without state
+    leaves a zero gradient on every parameter that requires one and had none.
 
     Args:
         optimizer: the optimizer (plain or ``DistributedOptimizer``).
@@ -101,6 +102,8 @@ def broadcast_optimizer_state(
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     state = optimizer.state_dict()
+    if not state["state"]:
+        _zero_missing_grads(optimizer)
     tensors: list[torch.Tensor] = []
     skeleton = _split_tensors(state, tensors) if runtime.rank() == root_rank else None
     skeleton = broadcast_object(skeleton, root_rank, name="optimizer_state.skeleton")
@@ -123,6 +126,22 @@ def broadcast_optimizer_state(
     received = [synchronize(h) for h in handles]
     if runtime.rank() != root_rank:
         optimizer.load_state_dict(_fill_tensors(skeleton, received))
+
+
+def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Gives every parameter that requires a gradient and has none a zero gradient.
+
+    Horovod takes an optimizer step to create the state of an optimizer that has none,
+    which leaves these zero gradients behind; scripts read them (or broadcast them) right
+    after. baguahvd leaves the same gradients without stepping. ``SparseAdam`` only takes
+    sparse gradients, so it gets sparse zeros.
+    """
+    sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                zeros = torch.zeros_like(p)
+                p.grad = zeros.to_sparse() if sparse else zeros
 
 
 def _collect_placeholders(value: Any, found: list[_Placeholder]) -> None:

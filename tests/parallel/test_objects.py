@@ -282,6 +282,27 @@ def test_broadcast_optimizer_state_before_any_step(rank: int, size: int) -> None
     # The hyperparameters are the root's.
     expected = _snapshot(_trained("adam", seed=root, data_seed=root, steps=0))
     _assert_optimizer_state_equal(state, expected)
+    # As after Horovod's state-creating step, every parameter has a zero gradient.
+    for param in model.parameters():
+        assert param.grad is not None and torch.equal(param.grad, torch.zeros_like(param))
+
+
+def test_broadcast_optimizer_state_zero_grads_only_where_missing(rank: int, size: int) -> None:
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    kept = torch.nn.Parameter(torch.ones(2))
+    missing = torch.nn.Parameter(torch.ones(3))
+    kept.grad = torch.full((2,), 5.0)
+    optimizer = torch.optim.Adam([frozen, kept, missing], lr=0.1)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    assert frozen.grad is None
+    assert torch.equal(kept.grad, torch.full((2,), 5.0))
+    assert torch.equal(missing.grad, torch.zeros(3))
+    # An optimizer that has state keeps every gradient as it was.
+    trained = _trained("sgd", seed=rank, data_seed=rank)
+    for param in trained.param_groups[0]["params"]:
+        param.grad = None
+    hvd.broadcast_optimizer_state(trained, root_rank=0)
+    assert all(p.grad is None for p in trained.param_groups[0]["params"])
 
 
 def test_broadcast_optimizer_state_mixed_requires_grad(rank: int, size: int) -> None:

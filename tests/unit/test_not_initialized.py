@@ -118,6 +118,35 @@ def test_before_init_and_a_failed_init() -> None:
     )
 
 
+def test_optimizers_and_helpers_need_init() -> None:
+    _run(
+        """
+        import re
+
+        message = re.escape(NOT_INITIALIZED_MESSAGE)
+        model = torch.nn.Linear(3, 2)
+        for options in ({}, {"op": hvd.Adasum}, {"algorithm": "bytegrad"},
+                        {"algorithm": "decentralized"}):
+            with pytest.raises(ValueError, match=message):
+                hvd.DistributedOptimizer(
+                    torch.optim.SGD(model.parameters(), lr=0.1),
+                    named_parameters=model.named_parameters(), **options,
+                )
+        for call in (
+            lambda: hvd.broadcast_parameters(model.state_dict(), root_rank=0),
+            lambda: hvd.broadcast_optimizer_state(
+                torch.optim.SGD(model.parameters(), lr=0.1), root_rank=0),
+            lambda: hvd.broadcast_object(1),
+            lambda: hvd.allgather_object(1),
+            lambda: hvd.SyncBatchNorm(3)(torch.randn(4, 3)),
+            lambda: hvd.elastic.ElasticSampler(list(range(8))),
+        ):
+            with pytest.raises(ValueError, match=message):
+                call()
+        """
+    )
+
+
 def test_single_process_job_then_shutdown() -> None:
     _run(
         """
