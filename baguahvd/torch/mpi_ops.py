@@ -135,12 +135,16 @@ remove_process_set = _basics.remove_process_set
 def _check_tensor(tensor: Any, allowed: frozenset[torch.dtype], what: str) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}.")
+    if tensor.layout is not torch.strided:
+        raise ValueError(
+            f"{what} expects a dense tensor, got a sparse one ({tensor.layout}): reduce "
+            "sparse tensors with hvd.sparse_allreduce_async, densify with .to_dense(), or "
+            "pass sparse_as_dense=True to DistributedOptimizer."
+        )
     if tensor.dtype not in allowed:
         raise ValueError(f"Tensor type {tensor.type()} is not supported.")
     if not tensor.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
-    if tensor.is_sparse:
-        raise ValueError(f"{what} expects a dense tensor; use sparse_allreduce_async.")
     # is_cpu / is_cuda first: reading tensor.device builds an object, on every request.
     if tensor.is_cpu:
         return tensor

@@ -379,3 +379,18 @@ def test_many_errors_in_a_row_then_success(rank: int, size: int) -> None:
     ]
     for i, handle in enumerate(handles):
         assert torch.equal(hvd.synchronize(handle), torch.full((3,), float(i * size)))
+
+
+def test_sparse_tensor_is_pointed_to_the_sparse_path() -> None:
+    sparse = torch.eye(3).to_sparse()
+    for call in (
+        lambda: hvd.allreduce(sparse, name="sparse.dense_path"),
+        lambda: hvd.allgather(sparse, name="sparse.allgather"),
+        lambda: hvd.broadcast(sparse, 0, name="sparse.broadcast"),
+    ):
+        with pytest.raises(ValueError, match="sparse_allreduce_async") as info:
+            call()
+        assert "contiguous" not in str(info.value)
+    # The sparse path itself works.
+    wait = hvd.sparse_allreduce_async(sparse, "sparse.ok", hvd.Sum)
+    assert torch.equal(wait().to_dense(), torch.eye(3) * hvd.size())
