@@ -36,12 +36,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from baguahvd.backends.base import Communicator, SelfCommunicator
+from baguahvd.backends.base import (
+    Communicator,
+    ControlPlane,
+    DeviceCommFactory,
+    SelfCommunicator,
+)
 from baguahvd.common.config import Config
 from baguahvd.common.exceptions import (
     DuplicateNameError,
@@ -67,11 +71,6 @@ from baguahvd.engine.requests import Handle, Request
 from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline, transport_activity
 from baguahvd.engine.watchdog import Watchdog, process_identity
-
-if TYPE_CHECKING:
-    # Importing baguahvd.backends.mpi starts MPI; that must wait for init(), which picks the
-    # thread level first (HOROVOD_MPI_THREADS_DISABLE).
-    from baguahvd.backends.mpi import Controller
 
 logger = logging.getLogger("baguahvd.engine")
 
@@ -224,16 +223,29 @@ class _Coordinator:
 class Engine:
     """Negotiates, fuses and runs the collectives of this process (see module docstring)."""
 
-    def __init__(self, config: Config, controller: Controller) -> None:
+    def __init__(
+        self,
+        config: Config,
+        control: ControlPlane,
+        device_comms: DeviceCommFactory | None = None,
+    ) -> None:
+        """
+        Args:
+            config: the job's configuration.
+            control: the negotiation channel over every rank of the job.
+            device_comms: makes a process set's device (GPU) communicator from its data
+                communicator; without it, GPU collectives fail.
+        """
         self.config = config
-        self.controller = controller
-        self.rank = controller.rank
-        self.size = controller.size
+        self.control = control
+        self.device_comms = device_comms
+        self.rank = control.rank
+        self.size = control.size
         self.process_sets: dict[int, ProcessSetState] = {
             GLOBAL_PROCESS_SET_ID: ProcessSetState(
                 GLOBAL_PROCESS_SET_ID,
                 tuple(range(self.size)),
-                controller.create_group_comm(range(self.size))
+                control.create_group_comm(range(self.size))
                 if self.size > 1
                 else SelfCommunicator(),
             )
@@ -294,7 +306,7 @@ class Engine:
         if len(ranks) == 1:
             comm = SelfCommunicator() if ranks[0] == self.rank else None
         else:
-            comm = self.controller.create_group_comm(ranks)
+            comm = self.control.create_group_comm(ranks)
         ident = self._next_process_set_id
         self._next_process_set_id += 1
         self.process_sets[ident] = ProcessSetState(ident, ranks, comm)
@@ -332,7 +344,7 @@ class Engine:
                 logger.error("HOROVOD_TIMELINE: cannot write the timeline: %s", exc)
         if self.size == 1:
             return
-        identities = self.controller.allgather_ints(process_identity())
+        identities = self.control.allgather_ints(process_identity())
         self._thread = threading.Thread(target=self._run, name="baguahvd-engine", daemon=True)
         # Alarms are looked for by the watchdog when MPI lets a second thread in while
         # the engine thread waits inside a collective; otherwise only by the engine thread
@@ -340,7 +352,7 @@ class Engine:
         self._watchdog = Watchdog(
             self.rank, identities, lambda: self.cycles, self._peer_lost,
             self.config.peer_timeout_s,
-            poll=self._check_alarm if self.controller.threads_multiple else None,
+            poll=self._check_alarm if self.control.threads_multiple else None,
         )
         self._thread.start()
         self._watchdog.start()
@@ -407,11 +419,11 @@ class Engine:
         """Turns a peer's alarm (see :meth:`_leave_mid_cycle`) into this rank's error and
         acknowledges it. Called by the watchdog thread, or by the engine thread while it
         waits."""
-        alarm = self.controller.poll_alarm()
+        alarm = self.control.poll_alarm()
         if alarm is None:
             return
         source, notice = alarm
-        self.controller.acknowledge(source)
+        self.control.acknowledge(source)
         error = notice.error(self.rank)
         logger.error("%s", error)
         # This rank's engine thread may be blocked in a collective the sender never joins.
@@ -429,7 +441,7 @@ class Engine:
         if self._mpi_stuck is not None or (thread is not None and thread.is_alive()):
             self._abort(f"{self._mpi_stuck or 'the engine thread is stuck'}, so MPI cannot "
                         "finish")
-        elif not self.controller.exit_barrier(self.config.exit_timeout_s):
+        elif not self.control.exit_barrier(self.config.exit_timeout_s):
             self._abort(
                 f"not every rank exited within {self.config.exit_timeout_s:g} s of the "
                 "failure (BAGUAHVD_EXIT_TIMEOUT_SECONDS)"
@@ -444,7 +456,7 @@ class Engine:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        self.controller.abort(1)
+        self.control.abort(1)
 
     @property
     def running(self) -> bool:
@@ -659,11 +671,11 @@ class Engine:
         then ends the job.
         """
         peers = [r for r in range(self.size) if r != self.rank]
-        self.controller.raise_alarm(Notice(NoticeKind.FAILURE, self.rank, reason), peers)
+        self.control.raise_alarm(Notice(NoticeKind.FAILURE, self.rank, reason), peers)
         deadline = time.monotonic() + self.config.exit_timeout_s
         missing = set(peers)
         while True:
-            missing -= self.controller.acknowledged()
+            missing -= self.control.acknowledged()
             if not missing:
                 return
             if time.monotonic() >= deadline:
@@ -680,7 +692,7 @@ class Engine:
     def _waiting(self) -> None:
         """Called while the engine thread waits for the other ranks in a negotiation: gives
         up once the engine has stopped (a peer's alarm, a lost peer), so the thread ends."""
-        if not self.controller.threads_multiple:
+        if not self.control.threads_multiple:
             self._check_alarm()
         if self._stopped is not None:
             raise _Abandoned
@@ -693,7 +705,7 @@ class Engine:
             [np.zeros(span, dtype=np.uint8), np.full(span, 0xFF, dtype=np.uint8),
              np.array([flags], dtype=np.uint8)]
         )
-        self.controller.bitwise_and(words)
+        self.control.bitwise_and(words)
         self._exchange(RankReport([], [], notice))
 
     def _let_burst_finish(self) -> None:
@@ -751,7 +763,7 @@ class Engine:
         )
         # From here until the cycle ends, ranks are in the middle of the same exchange.
         self._in_cycle = True
-        agreed = self.controller.bitwise_and(words, self._waiting)
+        agreed = self.control.bitwise_and(words, self._waiting)
         span = (capacity + 7) // 8
         flags = int(agreed[-1])
         if not flags & _FLAG_NO_SHUTDOWN:
@@ -880,12 +892,12 @@ class Engine:
 
     def _exchange(self, report: RankReport) -> Decision:
         """Sends this rank's report to rank 0 and returns rank 0's decision."""
-        gathered = self.controller.gather(report)
+        gathered = self.control.gather(report)
         decision: Decision | None = None
         if self._coordinator is not None:
             assert gathered is not None
             decision = self._coordinator.decide(gathered, self.process_sets, self.size)
-        result: Decision = self.controller.broadcast(decision)
+        result: Decision = self.control.broadcast(decision)
         return result
 
     def _remember(self, response: Response, request: Request | None) -> None:
@@ -963,18 +975,18 @@ class Engine:
             return
         self._execute(unit, state.comm)
 
-    @staticmethod
-    def _device_comm(state: ProcessSetState, comm: Communicator) -> Communicator:
-        """The set's NCCL communicator, created on first use: every member runs the agreed
+    def _device_comm(self, state: ProcessSetState, comm: Communicator) -> Communicator:
+        """The set's device communicator, created on first use: every member runs the agreed
         responses in the same order, so all of them create it in the same response."""
         if isinstance(comm, SelfCommunicator):
             return comm
         if state.device_comm is None:
-            from baguahvd.backends.mpi import MPICommunicator
-            from baguahvd.backends.nccl import NCCLCommunicator
-
-            assert isinstance(comm, MPICommunicator)
-            state.device_comm = NCCLCommunicator(comm.comm)
+            if self.device_comms is None:
+                raise HorovodInternalError(
+                    "this engine was built without device communicators; GPU tensors "
+                    "cannot be reduced"
+                )
+            state.device_comm = self.device_comms(comm)
         return state.device_comm
 
     # Grad mode is per thread and on by default, here as in the user's thread (single-member
