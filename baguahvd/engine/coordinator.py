@@ -14,14 +14,11 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-from baguahvd.engine.messages import OpType, RequestMeta, Response, build_response
+from baguahvd.engine.messages import JOIN_KEY, OpType, RequestMeta, Response, build_response
 from baguahvd.engine.notices import Decision, Notice, RankReport, first_notice
 from baguahvd.engine.process_sets import GLOBAL_PROCESS_SET_ID, ProcessSetState
 from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline
-
-JOIN_KEY = "join"
-"""The negotiation key of every join request."""
 
 
 class Coordinator:

@@ -62,7 +62,6 @@ from baguahvd.engine.notices import Notice, NoticeKind, describe_exception
 from baguahvd.engine.process_sets import (
     GLOBAL_PROCESS_SET_ID,
     ProcessSetRegistry,
-    ProcessSetState,
     not_member_message,
 )
 from baguahvd.engine.requests import Handle, Request
@@ -70,7 +69,8 @@ from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline
 from baguahvd.engine.watchdog import Watchdog, process_identity
 
-__all__ = ["GLOBAL_PROCESS_SET_ID", "Engine", "ProcessSetState"]
+# GLOBAL_PROCESS_SET_ID lives in process_sets; importers of the engine find it here too.
+__all__ = ["GLOBAL_PROCESS_SET_ID", "Engine"]
 
 logger = logging.getLogger("baguahvd.engine")
 

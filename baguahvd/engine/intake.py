@@ -24,8 +24,7 @@ from baguahvd.common.exceptions import DuplicateNameError
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine import execute
 from baguahvd.engine.cache import UNNAMED_PREFIX
-from baguahvd.engine.coordinator import JOIN_KEY
-from baguahvd.engine.messages import OpType, RequestMeta
+from baguahvd.engine.messages import JOIN_KEY, OpType, RequestMeta
 from baguahvd.engine.requests import Request
 
 # A burst of submissions is over once its thread has submitted nothing for this long ...

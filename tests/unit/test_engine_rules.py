@@ -1,14 +1,21 @@
-"""The engine's pure rules: the fusion plan, what may be cached, and the lifecycle table."""
+"""The engine's rules on their own: the fusion plan, what may be cached, the lifecycle table,
+and where device communicators come from."""
 
 from __future__ import annotations
 
 import pytest
 
+from baguahvd.backends.base import Communicator, SelfCommunicator
+from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.cache import may_cache, response_cacheable
+from baguahvd.engine.dispatch import Dispatcher
 from baguahvd.engine.fusion import plan_fusion
+from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.lifecycle import ABNORMAL_STATES, RUNNING_STATES, Event, State, transition
 from baguahvd.engine.messages import OpType, Response
+from baguahvd.engine.process_sets import ProcessSetState
+from tests.fakes.world import MemoryCommunicator, World
 
 
 def _allreduce(name: str, count: int, **fields: object) -> tuple[Response, str]:
@@ -153,3 +160,42 @@ def test_leaving_is_final() -> None:
         assert transition(state, Event.LEAVE) is State.LEAVING
     for event in Event:
         assert transition(State.LEAVING, event) is State.LEAVING
+
+
+# ---------------------------------------------------------------------------------------
+# Device communicators come from the factory the engine was given
+
+
+def _dispatcher(factory: object) -> Dispatcher:
+    return Dispatcher(0, {}, RequestQueue(0), None, factory, lambda ranks: 0,  # type: ignore[arg-type]
+                      lambda ident: None)
+
+
+def test_a_sets_device_communicator_is_made_once_by_the_factory() -> None:
+    made: list[Communicator] = []
+
+    def factory(comm: Communicator) -> Communicator:
+        made.append(comm)
+        return SelfCommunicator()
+
+    dispatcher = _dispatcher(factory)
+    data = SelfCommunicator()
+    state = ProcessSetState(1, (0, 1), data)
+    # A group of one needs no device communicator.
+    assert dispatcher.device_comm(state, data) is data and made == []
+    data_comm = _pair()
+    state = ProcessSetState(1, (0, 1), data_comm)
+    first = dispatcher.device_comm(state, data_comm)
+    assert dispatcher.device_comm(state, data_comm) is first
+    assert made == [data_comm] and state.device_comm is first
+
+
+def test_without_a_factory_device_collectives_fail_with_a_reason() -> None:
+    comm = _pair()
+    with pytest.raises(HorovodInternalError, match="without device communicators"):
+        _dispatcher(None).device_comm(ProcessSetState(1, (0, 1), comm), comm)
+
+
+def _pair() -> Communicator:
+    """A data communicator of two ranks (never used for data here)."""
+    return MemoryCommunicator(World(2), ("pair",), (0, 1), 0)
