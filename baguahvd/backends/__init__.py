@@ -1,4 +1,11 @@
-"""Communication backends: the only place that talks to MPI (mpi4py) or NCCL (CuPy)."""
+"""Communication backends: the only place that talks to MPI (mpi4py) or NCCL (CuPy).
+
+- :mod:`~baguahvd.backends.base`: the interfaces, ``Communicator`` (data plane) and
+  ``ControlPlane`` (negotiation, alarms, exit), and the device-communicator factory type;
+- :mod:`~baguahvd.backends.mpi`: MPI's data plane, control plane, topology and setup
+  helpers (importing it starts MPI: call :func:`prepare_mpi` first);
+- :mod:`~baguahvd.backends.nccl`: NCCL through CuPy for CUDA tensors.
+"""
 
 from __future__ import annotations
 

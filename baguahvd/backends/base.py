@@ -1,15 +1,32 @@
-"""The interface every communicator implements, with uniform signatures.
+"""The two interfaces a transport implements: the data plane and the control plane.
 
-A communicator spans the members of one process set. Buffers are torch tensors; the engine
-has already checked that shapes, dtypes and counts agree across ranks, so implementations
-move bytes and reduce without re-validating. Counts are in elements of the given tensors.
+:class:`Communicator` (data plane): collectives over the members of one process set, with
+uniform signatures. Buffers are torch tensors; the engine has already checked that shapes,
+dtypes and counts agree across ranks, so implementations move bytes and reduce without
+re-validating. Counts are in elements of the given tensors.
+
+:class:`ControlPlane`: what the engine needs to negotiate, over every rank of the job and
+on channels of its own (user code or data collectives never match its messages):
+
+- one bitwise AND of a byte vector per cycle (cached requests and flags), a gather of
+  pickled reports to rank 0 and a broadcast of rank 0's decision;
+- an all-gather of integers at start (process identities for the watchdog);
+- data communicators for process sets (created collectively by their members);
+- alarms: point-to-point messages outside the lockstep protocol, for a rank that can no
+  longer follow it (:meth:`ControlPlane.raise_alarm`), polled and acknowledged by peers;
+- a bounded exit barrier and an abort that ends the whole job.
+
+Device (GPU) communicators are made by a :data:`DeviceCommFactory` that whoever builds the
+engine passes in, so the engine never names a transport.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import numpy as np
 import torch
 
 from baguahvd.common.ops import ReduceOp
@@ -119,3 +136,82 @@ class SelfCommunicator(Communicator):
 
     def barrier(self) -> None:
         return None
+
+
+class ControlPlane(abc.ABC):
+    """The engine's negotiation channel over every rank of the job (see module docstring).
+
+    Collective methods must be called by every rank in the same order, from one thread (the
+    engine's); the alarm methods may be called from any thread where
+    :attr:`threads_multiple` is True.
+    """
+
+    rank: int
+    """This process's rank in the job."""
+    size: int
+    """Number of ranks in the job."""
+    threads_multiple: bool
+    """Whether a second thread may poll alarms while the engine thread waits inside a
+    collective of this control plane or of a data communicator."""
+
+    @abc.abstractmethod
+    def bitwise_and(
+        self, words: np.ndarray, waiting: Callable[[], None] | None = None
+    ) -> np.ndarray:
+        """Returns the bitwise AND of the ``uint8`` vector ``words`` over all ranks.
+
+        ``waiting()`` is called now and then while the other ranks have not arrived yet; it
+        may raise to give up (the job is ending).
+        """
+
+    @abc.abstractmethod
+    def gather(self, payload: Any) -> list[Any] | None:
+        """Sends the picklable ``payload`` to rank 0; returns the list (by rank) there,
+        ``None`` elsewhere."""
+
+    @abc.abstractmethod
+    def broadcast(self, payload: Any) -> Any:
+        """Returns rank 0's ``payload`` on every rank."""
+
+    @abc.abstractmethod
+    def allgather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (same length everywhere), by rank."""
+
+    @abc.abstractmethod
+    def create_group_comm(self, ranks: Sequence[int]) -> Communicator | None:
+        """A data communicator of ``ranks`` (sorted job ranks, more than one), created
+        collectively by its members; ``None`` on the other ranks, which may skip the call."""
+
+    @abc.abstractmethod
+    def exit_barrier(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for every rank to call this too; False on timeout.
+        Usable while the other channels are stuck."""
+
+    @abc.abstractmethod
+    def raise_alarm(self, payload: Any, ranks: Sequence[int]) -> None:
+        """Sends ``payload`` to ``ranks`` at once, without waiting, whatever they are
+        doing."""
+
+    @abc.abstractmethod
+    def poll_alarm(self) -> tuple[int, Any] | None:
+        """An alarm that arrived, as ``(sending rank, payload)``; never blocks."""
+
+    @abc.abstractmethod
+    def acknowledge(self, rank: int) -> None:
+        """Tells ``rank`` that its alarm was received."""
+
+    @abc.abstractmethod
+    def acknowledged(self) -> set[int]:
+        """The ranks that have acknowledged this rank's alarm so far; never blocks."""
+
+    @abc.abstractmethod
+    def abort(self, code: int) -> None:
+        """Ends every process of the job."""
+
+    def free(self) -> None:  # noqa: B027 - optional hook
+        """Releases the underlying resources."""
+
+
+DeviceCommFactory = Callable[[Communicator], Communicator]
+"""Makes the device (GPU) communicator of a process set from its data communicator; called
+by every member in the same collective, at the set's first device collective."""

@@ -6,6 +6,12 @@ then announces a pending request by one bit (its slot); a bitwise AND over the r
 which cached collectives everybody has submitted, and a second vector of bits says which
 entries some rank found stale (same name, different shape/dtype/...), so all ranks evict
 them and negotiate those names in full again.
+
+What may be cached is one rule (:func:`may_cache`): named data collectives. Unnamed requests
+are matched by their order, so their keys mean nothing from one step to the next; barriers,
+joins and process-set changes are rare and carry no shape worth skipping. A response is
+cached only when it ran (no error) with every member submitting (no joined rank), see
+:func:`response_cacheable`.
 """
 
 from __future__ import annotations
@@ -17,7 +23,25 @@ from collections import OrderedDict
 
 import numpy as np
 
-from baguahvd.engine.messages import Response
+from baguahvd.engine.messages import OpType, Response
+
+CACHEABLE_OPS = frozenset(
+    {OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL, OpType.REDUCESCATTER}
+)
+UNNAMED_PREFIX = "noname."
+"""Negotiation keys of unnamed requests start with this."""
+
+
+def may_cache(op: OpType, key: str) -> bool:
+    """Whether a collective of ``op`` negotiated under ``key`` may use the cache."""
+    return op in CACHEABLE_OPS and not key.startswith(UNNAMED_PREFIX)
+
+
+def response_cacheable(response: Response) -> bool:
+    """Whether every rank caches ``response`` once it has run."""
+    return response.error is None and not response.joined and may_cache(
+        response.op, response.key
+    )
 
 
 class Lookup(enum.Enum):

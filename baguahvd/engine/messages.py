@@ -31,6 +31,9 @@ class OpType(enum.IntEnum):
         return self.name
 
 
+JOIN_KEY = "join"
+"""The negotiation key of every join request."""
+
 # Operations whose names Horovod prefixes with the op, e.g. ``allreduce.weights``.
 DATA_OPS = frozenset(
     {OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL, OpType.REDUCESCATTER}

@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING
 
+from baguahvd.engine.messages import RequestMeta
 from baguahvd.engine.notices import Notice, NoticeKind
+from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
-
-if TYPE_CHECKING:
-    from baguahvd.engine.engine import ProcessSetState
-    from baguahvd.engine.messages import RequestMeta
 
 logger = logging.getLogger("baguahvd.engine")
 

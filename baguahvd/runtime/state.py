@@ -126,7 +126,7 @@ class Runtime:
                 )
         topology = mpi.Topology(base)
         logging_setup.configure(topology.rank, config.log_level, config.log_hide_time)
-        engine = Engine(config, mpi.Controller(base))
+        engine = Engine(config, mpi.MPIControlPlane(base), mpi.nccl_communicator)
         resolved: list[list[int]] = []
         for process_set in process_sets:
             if process_set.mpi_comm is not None:

@@ -29,9 +29,9 @@ from baguahvd.common.exceptions import (
     StallError,
 )
 from baguahvd.common.logging_setup import TRACE, _RankFormatter, configure
-from baguahvd.engine.engine import ProcessSetState
 from baguahvd.engine.messages import OpType, RequestMeta
 from baguahvd.engine.notices import Notice, NoticeKind, describe_exception, first_notice
+from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
 from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline, algorithm_activity

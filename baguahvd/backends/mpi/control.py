@@ -1,0 +1,169 @@
+"""The MPI control plane: the engine's negotiation over duplicates of the job's communicator.
+
+Three duplicates keep three kinds of traffic apart: the lockstep negotiation (one
+non-blocking bitwise AND, a gather to rank 0 and a broadcast per cycle), alarms (point to
+point, outside the lockstep protocol, tagged ``_TAG_ALARM`` and answered with ``_TAG_ACK``)
+and the exit barrier used after a failure, when the negotiation communicator may be stuck
+in a collective that will never complete.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from baguahvd.backends.base import ControlPlane
+from baguahvd.backends.mpi.communicator import MPICommunicator
+
+# Tags of the alarm communicator (see MPIControlPlane.raise_alarm).
+_TAG_ALARM = 1
+_TAG_ACK = 2
+
+
+class MPIControlPlane(ControlPlane):
+    """The engine's private communicators: negotiation messages and process-set creation.
+
+    It is a duplicate of the job's communicator, so user code that also calls MPI never
+    matches the engine's messages.
+    """
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm.Dup()
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        # Used once, at exit after a failure, while the engine's communicator may be stuck
+        # in a collective that will never complete.
+        self._exit_comm = comm.Dup()
+        # Point-to-point messages outside the lockstep protocol: a rank that leaves it tells
+        # the others through this one (see raise_alarm).
+        self._alarm_comm = comm.Dup()
+        self._alarm_lock = threading.Lock()
+        self._outgoing: list[Any] = []
+        self._acknowledged: set[int] = set()
+        self.threads_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        """Whether a second thread may call MPI while the engine thread is inside MPI."""
+
+    def bitwise_and(
+        self, words: np.ndarray, waiting: Callable[[], None] | None = None
+    ) -> np.ndarray:
+        """Returns the bitwise AND of ``words`` over all ranks.
+
+        Waits by testing between short sleeps rather than in MPI's busy wait or a Python
+        spin: a sleeping thread leaves both the CPU (ranks are often oversubscribed) and the
+        GIL (the training thread needs it) to others. ``waiting()`` is called between tests
+        once the wait takes longer than a few sleeps; it may raise to give up (the request
+        is then left pending: the job is ending).
+        """
+        result = np.empty_like(words)
+        request = self.comm.Iallreduce([words, MPI.BYTE], [result, MPI.BYTE], op=MPI.BAND)
+        delay = 5e-6
+        while not request.Test():
+            time.sleep(delay)
+            if delay < 1e-4:
+                delay = min(delay * 2, 1e-4)
+            elif waiting is not None:
+                waiting()
+        return result
+
+    def gather(self, payload: Any) -> list[Any] | None:
+        """Pickles ``payload`` to rank 0; returns the list (by rank) there, ``None`` elsewhere."""
+        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        sizes = self.comm.gather(len(data), root=0)
+        if self.rank == 0:
+            assert sizes is not None
+            buffer = np.empty(sum(sizes), dtype=np.uint8)
+            displs = np.cumsum([0, *sizes[:-1]]).tolist()
+            self.comm.Gatherv(
+                [np.frombuffer(data, dtype=np.uint8), MPI.BYTE],
+                [buffer, (sizes, displs), MPI.BYTE],
+                root=0,
+            )
+            raw = buffer.tobytes()
+            return [pickle.loads(raw[d : d + s]) for d, s in zip(displs, sizes)]
+        self.comm.Gatherv([np.frombuffer(data, dtype=np.uint8), MPI.BYTE], None, root=0)
+        return None
+
+    def broadcast(self, payload: Any) -> Any:
+        """Sends rank 0's ``payload`` to every rank."""
+        return self.comm.bcast(payload, root=0)
+
+    def allgather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (same length everywhere), by rank."""
+        mine = np.asarray(values, dtype=np.int64)
+        result = np.empty((self.size, len(mine)), dtype=np.int64)
+        self.comm.Allgather([mine, MPI.INT64_T], [result, MPI.INT64_T])
+        return result.tolist()
+
+    def create_group_comm(self, ranks: Sequence[int]) -> MPICommunicator | None:
+        """A communicator of ``ranks`` (ranks of this controller, sorted), created
+        collectively by the members only; ``None`` on non-members."""
+        if self.rank not in ranks:
+            return None
+        group = self.comm.Get_group().Incl(list(ranks))
+        try:
+            comm = self.comm.Create_group(group, tag=0)
+        finally:
+            group.Free()
+        return MPICommunicator(comm)
+
+    def exit_barrier(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for every rank to call this too; False on timeout."""
+        request = self._exit_comm.Ibarrier()
+        deadline = time.monotonic() + timeout_s
+        while not request.Test():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+    def raise_alarm(self, payload: Any, ranks: Sequence[int]) -> None:
+        """Sends ``payload`` to ``ranks`` at once, whatever they are doing: the way out for a
+        rank that can no longer follow the protocol (it failed in the middle of a cycle, so
+        its peers may wait in a collective it will never join). They see it in
+        :meth:`poll_alarm` and answer with :meth:`acknowledge`."""
+        with self._alarm_lock:
+            for rank in ranks:
+                self._outgoing.append(self._alarm_comm.isend(payload, dest=rank, tag=_TAG_ALARM))
+
+    def poll_alarm(self) -> tuple[int, Any] | None:
+        """An alarm that arrived, as ``(sending rank, payload)``; never blocks. Safe to call
+        from any thread when :attr:`threads_multiple`."""
+        with self._alarm_lock:
+            status = MPI.Status()
+            message = self._alarm_comm.improbe(MPI.ANY_SOURCE, _TAG_ALARM, status)
+            if message is None:
+                return None
+            return status.Get_source(), message.recv()
+
+    def acknowledge(self, rank: int) -> None:
+        """Tells ``rank`` that its alarm was received."""
+        with self._alarm_lock:
+            self._outgoing.append(self._alarm_comm.isend(None, dest=rank, tag=_TAG_ACK))
+
+    def acknowledged(self) -> set[int]:
+        """The ranks that have acknowledged this rank's alarm so far; never blocks."""
+        with self._alarm_lock:
+            status = MPI.Status()
+            while True:
+                message = self._alarm_comm.improbe(MPI.ANY_SOURCE, _TAG_ACK, status)
+                if message is None:
+                    break
+                message.recv()
+                self._acknowledged.add(status.Get_source())
+            self._outgoing = [r for r in self._outgoing if not r.Test()]
+            return set(self._acknowledged)
+
+    def abort(self, code: int) -> None:
+        """Ends every process of the job (MPI_Abort on MPI_COMM_WORLD)."""
+        MPI.COMM_WORLD.Abort(code)
+
+    def free(self) -> None:
+        self.comm.Free()
+        self._exit_comm.Free()
+        self._alarm_comm.Free()

@@ -1,0 +1,220 @@
+"""Execution dispatch: runs agreed units on their communicators and completes handles.
+
+A unit is one fused group of allreduces or one other collective (see
+:mod:`~baguahvd.engine.fusion`). It runs on the data communicator of its process set, or on
+the set's device communicator for GPU tensors (made at the set's first device collective by
+the factory the engine was given: every member runs the agreed units in the same order, so
+all of them make it in the same one). The tensor arithmetic lives in
+:mod:`~baguahvd.engine.execute`; process-set changes are handed back to the engine.
+
+A collective that raises here raises to the caller: on the engine thread that fails the
+job (see :class:`CollectiveFailure`); for a single-member set, which never leaves the
+calling thread, it fails that request only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from baguahvd.backends.base import Communicator, DeviceCommFactory, SelfCommunicator
+from baguahvd.common.exceptions import HorovodInternalError, MismatchError
+from baguahvd.engine import execute
+from baguahvd.engine.intake import RequestQueue
+from baguahvd.engine.messages import OpType, Response, build_response
+from baguahvd.engine.process_sets import ProcessSetState
+from baguahvd.engine.requests import Request
+from baguahvd.engine.timeline import Timeline, transport_activity
+
+logger = logging.getLogger("baguahvd.engine")
+
+Entry = tuple[Response, Request | None]
+
+
+class CollectiveFailure(Exception):
+    """A unit of agreed collectives raised on this rank while it ran (engine thread)."""
+
+    def __init__(self, unit: list[Entry], error: Exception) -> None:
+        super().__init__(str(error))
+        self.unit = unit
+        self.error = error
+
+
+def named_error(exc: Exception, name: str) -> HorovodInternalError:
+    """The error a request of a failed collective raises: named failures (an NCCL error or
+    timeout) keep their class for ``except``."""
+    if isinstance(exc, HorovodInternalError):
+        return exc
+    return HorovodInternalError(f"{name} failed: {exc}")
+
+
+class Dispatcher:
+    """Runs units and completes their requests (see module docstring).
+
+    Args:
+        rank: this process's rank.
+        process_sets: the registered process sets, by id.
+        queue: the request queue (names of finished requests are freed there).
+        timeline: rank 0's timeline, if any.
+        device_comms: makes device communicators; None where there are none.
+        add_process_set: registers a set of ranks (collective), returns its id.
+        remove_process_set: removes the set of an id (collective).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        process_sets: dict[int, ProcessSetState],
+        queue: RequestQueue,
+        timeline: Timeline | None,
+        device_comms: DeviceCommFactory | None,
+        add_process_set: Callable[[Sequence[int]], int],
+        remove_process_set: Callable[[int], None],
+    ) -> None:
+        self.rank = rank
+        self.process_sets = process_sets
+        self.queue = queue
+        self.timeline = timeline
+        self.device_comms = device_comms
+        self.add_process_set = add_process_set
+        self.remove_process_set = remove_process_set
+        self.buffers = execute.FusionBuffers()
+
+    def run_unit(self, unit: list[Entry]) -> None:
+        """Runs one agreed unit on this rank (engine thread); raises what it raised."""
+        response = unit[0][0]
+        state = self.process_sets.get(response.process_set_id)
+        if state is None or state.comm is None:
+            return
+        if response.device != "CPU" and response.error is None:
+            self.execute(unit, self.device_comm(state, state.comm))
+            return
+        self.execute(unit, state.comm)
+
+    def run_alone(self, request: Request, state: ProcessSetState) -> None:
+        """A single-member process set: no negotiation, no communication."""
+        response = build_response([request.meta], state.ranks, ())
+        if request.meta.op == OpType.JOIN:
+            response = response._replace(last_joined=self.rank)
+        comm = state.comm if state.comm is not None else SelfCommunicator()
+        if self.timeline is not None and self.timeline.active:
+            self.timeline.queued(response.name, response.op)
+        try:
+            self.execute([(response, request)], comm)
+        except Exception as exc:  # noqa: BLE001 - reported through the handle
+            logger.exception("%s failed", response.name)
+            self.finish(request, error=named_error(exc, response.name))
+
+    def device_comm(self, state: ProcessSetState, comm: Communicator) -> Communicator:
+        """The set's device communicator, created on first use (see module docstring)."""
+        if isinstance(comm, SelfCommunicator):
+            return comm
+        if state.device_comm is None:
+            if self.device_comms is None:
+                raise HorovodInternalError(
+                    "this engine was built without device communicators; GPU tensors "
+                    "cannot be reduced"
+                )
+            state.device_comm = self.device_comms(comm)
+        return state.device_comm
+
+    # Grad mode is per thread and on by default, here as in the user's thread (single-member
+    # sets): the collectives write users' tensors as raw buffers, leaves that require grad
+    # included, and their outputs must not join anyone's autograd graph.
+    @torch.no_grad()
+    def execute(self, unit: list[Entry], comm: Communicator) -> None:
+        """Runs one unit (a fused group of allreduces, or one other collective) and
+        completes its handles."""
+        timeline = self.timeline
+        if timeline is None or not timeline.active:
+            self._execute_on(unit, comm, None)
+            return
+        response = unit[0][0]
+        traced = [request.meta.name for _, request in unit if request is not None]
+        transport = transport_activity(response.op, response.device)
+
+        def phase(activity: str) -> None:
+            for name in traced:
+                timeline.phase(name, transport if activity == "COMMUNICATE" else activity)
+
+        if response.op != OpType.ALLREDUCE:
+            phase("COMMUNICATE")
+        self._execute_on(unit, comm, phase)
+
+    def _execute_on(
+        self, unit: list[Entry], comm: Communicator, phase: Callable[[str], None] | None
+    ) -> None:
+        response = unit[0][0]
+        requests = [request for _, request in unit if request is not None]
+        if response.error is not None:
+            for request in requests:
+                self.finish(request, error=MismatchError(response.error))
+            return
+        op = response.op
+        if op == OpType.ALLREDUCE:
+            execute.allreduce(comm, unit, self.buffers, phase)
+            self.complete_all(requests)
+            return
+        if op == OpType.BARRIER:
+            comm.barrier()
+        elif op == OpType.ADD_PROCESS_SET:
+            ident = self.add_process_set(response.payload)
+            for request in requests:
+                self.finish(request, None, extra=ident)
+            return
+        elif op == OpType.REMOVE_PROCESS_SET:
+            self.remove_process_set(response.payload[0])
+        elif op == OpType.JOIN:
+            for request in requests:
+                self.finish(request, None, extra=response.last_joined)
+            return
+        if not requests:
+            return
+        request = requests[0]
+        if op == OpType.ALLGATHER:
+            self.finish(request, execute.allgather(comm, response, request),
+                        extra=response.first_dims)
+        elif op == OpType.BROADCAST:
+            self.finish(request, execute.broadcast(comm, response, request))
+        elif op == OpType.ALLTOALL:
+            outputs, received = execute.alltoall(comm, response, request)
+            self.finish(request, outputs, extra=received)
+        elif op == OpType.REDUCESCATTER:
+            self.finish(request, execute.reducescatter(comm, response, request))
+        else:
+            self.finish(request, None)
+
+    def complete_all(self, requests: list[Request]) -> None:
+        """:meth:`finish` for the requests of a unit that succeeded, with their outputs: one
+        lock and one timeline check for all of them."""
+        self.queue.done(requests)
+        timeline = self.timeline
+        if timeline is not None and timeline.active:
+            for request in requests:
+                meta = request.meta
+                timeline.done(meta.name, {"dtype": meta.dtype, "shape": str(list(meta.shapes))})
+        # Last first: a thread waiting for the first handle of a batch (synchronize in
+        # submission order) wakes once, when the whole batch is done.
+        for request in reversed(requests):
+            request.handle.complete(request.outputs)
+
+    def finish(
+        self,
+        request: Request,
+        result: list[torch.Tensor] | None = None,
+        extra: object = None,
+        error: BaseException | None = None,
+    ) -> None:
+        """Completes or fails one request."""
+        self.queue.done((request,))
+        timeline = self.timeline
+        if timeline is not None and timeline.active:
+            # Before the handle is released: the user may stop the timeline right after.
+            meta = request.meta
+            timeline.done(meta.name, {"dtype": meta.dtype, "shape": str(list(meta.shapes))})
+        if error is not None:
+            request.handle.fail(error)
+        else:
+            request.handle.complete(result, extra)

@@ -1,0 +1,80 @@
+"""Fusion planning: which agreed collectives run together in one buffer.
+
+A pure function of the cycle's agreed responses (in the agreed order, identical on every
+rank) and the threshold, so every rank makes the same plan. Allreduces with the same process
+set, dtype, reduce op, scale factors and device share a unit while the unit's bytes stay
+within ``HOROVOD_FUSION_THRESHOLD``; everything else (other collectives, errors, Adasum, and
+grouped allreduces when group fusion is disabled) runs alone. Units keep the order of their
+first entry; entries keep their order inside a unit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TypeVar
+
+import torch
+
+from baguahvd.common.ops import ReduceOp
+from baguahvd.engine.execute import DTYPES
+from baguahvd.engine.messages import OpType, Response
+
+ITEMSIZES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
+"""Bytes per element, by dtype name."""
+
+Own = TypeVar("Own")
+"""What an entry carries beside its response (this rank's request, or None)."""
+
+_ALLREDUCE = OpType.ALLREDUCE
+_ADASUM = ReduceOp.ADASUM
+
+
+def plan_fusion(
+    entries: Sequence[tuple[Response, Own]],
+    threshold: int,
+    disable_group_fusion: bool = False,
+) -> list[list[tuple[Response, Own]]]:
+    """Splits ``entries`` into units that each run as one collective (see module docstring).
+
+    Args:
+        entries: the agreed responses, each with what this rank holds for it.
+        threshold: bytes per fused unit; 0 or less fuses nothing.
+        disable_group_fusion: HOROVOD_DISABLE_GROUP_FUSION: grouped allreduces run alone.
+    """
+    if threshold <= 0:
+        return [[entry] for entry in entries]
+    units: list[list[tuple[Response, Own]]] = []
+    # Per fusion key, the unit still open for more tensors and its bytes so far.
+    open_units: dict[tuple[object, ...], tuple[list[tuple[Response, Own]], int]] = {}
+    prod = math.prod
+    for entry in entries:
+        response = entry[0]
+        shapes = response.shapes
+        if (
+            response.op != _ALLREDUCE
+            or response.error is not None
+            or response.reduce_op == _ADASUM
+            or (disable_group_fusion and len(shapes) > 1)
+        ):
+            units.append([entry])
+            continue
+        key = (
+            response.process_set_id,
+            response.dtype,
+            response.reduce_op,
+            response.prescale,
+            response.postscale,
+            response.device,
+        )
+        count = prod(shapes[0]) if len(shapes) == 1 else sum(map(prod, shapes))
+        nbytes = count * ITEMSIZES[response.dtype]
+        found = open_units.get(key)
+        if found is not None and found[1] + nbytes <= threshold:
+            found[0].append(entry)
+            open_units[key] = (found[0], found[1] + nbytes)
+        else:
+            unit = [entry]
+            units.append(unit)
+            open_units[key] = (unit, nbytes)
+    return units

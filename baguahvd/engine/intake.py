@@ -1,0 +1,178 @@
+"""Request intake: how user threads hand collectives to the engine thread.
+
+A user thread turns a call into a :class:`~baguahvd.engine.requests.Request` (its
+:class:`~baguahvd.engine.messages.RequestMeta` names it: named requests by
+``label.name``, unnamed ones by their order per process set, ``noname.N``) and appends it to
+the queue; a name may be in flight once at a time. The engine thread takes the whole queue
+at the start of a cycle.
+
+A burst of submissions (a backward pass, a loop of async calls) is negotiated as one: the
+engine waits until a thread blocks on a handle (the burst is over: it submits nothing more
+meanwhile), or nothing has been submitted for half a millisecond, or five cycle times have
+passed (see :meth:`RequestQueue.let_burst_finish`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from baguahvd.common.exceptions import DuplicateNameError
+from baguahvd.common.ops import ReduceOp
+from baguahvd.engine import execute
+from baguahvd.engine.cache import UNNAMED_PREFIX
+from baguahvd.engine.messages import JOIN_KEY, OpType, RequestMeta
+from baguahvd.engine.requests import Request
+
+# A burst of submissions is over once its thread has submitted nothing for this long ...
+QUIET_S = 5e-4
+# ... or this many cycle times after it began, whichever comes first.
+BURST_CYCLES = 5
+
+_DTYPE_NAMES = {dtype: name for name, dtype in execute.DTYPES.items()}
+
+
+class RequestQueue:
+    """The queue between user threads and the engine thread (see module docstring)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        """Set when there is something for the engine thread to do."""
+        self.flush = threading.Event()
+        """Set when a thread blocks on a handle: the burst being submitted is over."""
+        self._queue: list[Request] = []
+        self._inflight: set[tuple[int, str]] = set()
+        self._noname: dict[int, int] = {}
+        self._last_arrival = 0.0
+
+    def make_request(
+        self,
+        op: OpType,
+        label: str,
+        process_set_id: int,
+        inputs: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor] | None,
+        name: str | None,
+        reduce_op: ReduceOp,
+        prescale: float,
+        postscale: float,
+        root: int,
+        splits: Sequence[int] | None,
+        payload: Sequence[int],
+    ) -> Request:
+        """The request of one call (see :meth:`~baguahvd.engine.engine.Engine.submit`)."""
+        if name is not None and op != OpType.JOIN:
+            key = display = f"{label}.{name}"
+        elif op == OpType.JOIN:
+            key = display = JOIN_KEY
+        else:
+            with self.lock:
+                count = self._noname.get(process_set_id, 0)
+                self._noname[process_set_id] = count + 1
+            key = f"{UNNAMED_PREFIX}{count}"
+            display = f"{label}.{UNNAMED_PREFIX}{count}"
+        if inputs:
+            first = inputs[0]
+            dtype = _DTYPE_NAMES.get(first.dtype) or execute.dtype_name(first.dtype)
+            shapes = (tuple(first.shape),) if len(inputs) == 1 else tuple(
+                tuple(t.shape) for t in inputs
+            )
+            # The kind only, as Horovod compares it: each rank drives its own GPU (usually
+            # cuda:<local_rank>), so indices differ across ranks of one collective.
+            device = "GPU" if first.is_cuda else "CPU"
+        else:
+            dtype, shapes, device = "", (), "CPU"
+        # Positional: the per-request path of every small collective.
+        meta = RequestMeta(
+            key,
+            display,
+            op,
+            process_set_id,
+            self.rank,
+            dtype,
+            shapes,
+            device,
+            reduce_op if type(reduce_op) is ReduceOp else ReduceOp(reduce_op),
+            float(prescale),
+            float(postscale),
+            root,
+            None if splits is None else tuple(int(s) for s in splits),
+            tuple(payload),
+        )
+        return Request(meta, inputs, outputs)
+
+    def check_unique(self, request: Request) -> None:
+        """Raises DuplicateNameError when a request of the same name is in flight."""
+        with self.lock:
+            if request.ident in self._inflight:
+                raise DuplicateNameError(request.meta.name)
+
+    def put(self, request: Request, stopped: Callable[[], BaseException | None]) -> None:
+        """Queues ``request`` for the engine thread; raises ``stopped()`` when not None."""
+        request.handle.on_wait = self.flush.set
+        with self.lock:
+            error = stopped()
+            if error is not None:
+                raise error
+            if request.ident in self._inflight:
+                raise DuplicateNameError(request.meta.name)
+            self._inflight.add(request.ident)
+            queue = self._queue
+            queue.append(request)
+            self._last_arrival = time.perf_counter()
+        # The engine takes the whole queue at once: only the first request of a batch needs
+        # to wake it (see let_burst_finish for the rest).
+        if len(queue) == 1:
+            self.wake.set()
+
+    def take(self) -> list[Request]:
+        """Everything queued so far (engine thread, at the start of a cycle)."""
+        self.flush.clear()
+        with self.lock:
+            new, self._queue = self._queue, []
+        return new
+
+    def done(self, requests: Sequence[Request]) -> None:
+        """Frees the names of finished requests for reuse."""
+        with self.lock:
+            discard = self._inflight.discard
+            for request in requests:
+                discard(request.ident)
+
+    def drain(self) -> list[Request]:
+        """Takes every queued request and forgets every name in flight (the engine stops)."""
+        with self.lock:
+            queued, self._queue = self._queue, []
+            self._inflight.clear()
+        return queued
+
+    def wake_up(self) -> None:
+        """Starts the next cycle now (the job is ending)."""
+        self.wake.set()
+        self.flush.set()
+
+    def let_burst_finish(self, cycle_time_ms: float) -> None:
+        """Waits for a burst of submissions to end before negotiating it, so that it is
+        fused into one cycle and the engine thread does not compete with the submitting
+        thread for the GIL meanwhile (see module docstring).
+
+        The engine waits on the flush event, which a thread that starts waiting for a handle
+        sets (the cycle that takes the queue clears it), and wakes up only for the
+        deadlines: every wake-up takes the GIL from the submitting thread.
+        """
+        if not self._queue:
+            return
+        start = time.perf_counter()
+        limit = BURST_CYCLES * cycle_time_ms / 1000.0
+        flush = self.flush
+        while not flush.is_set():
+            now = time.perf_counter()
+            since = now - self._last_arrival
+            if since >= QUIET_S or now - start >= limit:
+                return
+            flush.wait(min(QUIET_S - since, limit - (now - start)))

@@ -1,0 +1,276 @@
+"""The engine's lifecycle: one state, changed only through one transition table.
+
+States (:class:`State`):
+
+- ``IDLE``: running, between cycles. Every rank is at the same point of the protocol, so a
+  failure here can still be announced in one more cycle.
+- ``NEGOTIATING``: running, inside a cycle: from the bitwise AND that opens it until the
+  agreed collectives have run. Ranks are in the middle of the same exchange.
+- ``STOPPED``: the job ended normally (a shutdown that every rank agreed on).
+- ``FAILED``: the job ended because something failed, and every MPI call of this rank has
+  completed: at exit, the ranks meet in a bounded barrier before MPI finalizes.
+- ``STUCK``: the job ended because something failed, and some MPI call of this rank may
+  never complete (a peer is gone, or left a collective unfinished): leaving ends the job
+  with MPI_Abort.
+- ``LEAVING``: this rank failed in the middle of a cycle and its engine thread is telling
+  the peers with an alarm (see :meth:`Lifecycle.leave_mid_cycle`). Final: ``shutdown()``
+  waits for that thread; a later loss of MPI is remembered in :attr:`Lifecycle.stuck_reason`.
+
+Events (:class:`Event`): ``BEGIN_CYCLE``/``END_CYCLE`` (the engine thread), ``STOP`` (an
+agreed shutdown), ``FAIL`` (a failure, this rank's or a peer's), ``LOSE_MPI`` (the watchdog
+lost a peer, or a peer's alarm arrived) and ``LEAVE`` (this rank leaves the protocol).
+``_TRANSITIONS`` lists every (state, event) pair.
+
+The first stop fixes the error every pending and later request raises (:attr:`error`).
+Besides the state, the lifecycle holds this rank's announcement of the end of the job (a
+:class:`~baguahvd.engine.notices.Notice`), sent to rank 0 in the next cycle.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from baguahvd.backends.base import ControlPlane
+from baguahvd.engine.notices import Notice, NoticeKind
+
+logger = logging.getLogger("baguahvd.engine")
+
+
+class State(enum.Enum):
+    IDLE = "idle"
+    NEGOTIATING = "negotiating"
+    STOPPED = "stopped"
+    FAILED = "failed"
+    STUCK = "stuck"
+    LEAVING = "leaving"
+
+
+class Event(enum.Enum):
+    BEGIN_CYCLE = "begin cycle"
+    END_CYCLE = "end cycle"
+    STOP = "stop"
+    FAIL = "fail"
+    LOSE_MPI = "lose MPI"
+    LEAVE = "leave"
+
+
+_S, _E = State, Event
+_TRANSITIONS: dict[State, dict[Event, State]] = {
+    _S.IDLE: {
+        _E.BEGIN_CYCLE: _S.NEGOTIATING, _E.END_CYCLE: _S.IDLE, _E.STOP: _S.STOPPED,
+        _E.FAIL: _S.FAILED, _E.LOSE_MPI: _S.STUCK, _E.LEAVE: _S.LEAVING,
+    },
+    _S.NEGOTIATING: {
+        _E.BEGIN_CYCLE: _S.NEGOTIATING, _E.END_CYCLE: _S.IDLE, _E.STOP: _S.STOPPED,
+        _E.FAIL: _S.FAILED, _E.LOSE_MPI: _S.STUCK, _E.LEAVE: _S.LEAVING,
+    },
+    # Once stopped, cycles change nothing; a failure or a lost MPI still makes it worse.
+    _S.STOPPED: {
+        _E.BEGIN_CYCLE: _S.STOPPED, _E.END_CYCLE: _S.STOPPED, _E.STOP: _S.STOPPED,
+        _E.FAIL: _S.FAILED, _E.LOSE_MPI: _S.STUCK, _E.LEAVE: _S.LEAVING,
+    },
+    _S.FAILED: {
+        _E.BEGIN_CYCLE: _S.FAILED, _E.END_CYCLE: _S.FAILED, _E.STOP: _S.FAILED,
+        _E.FAIL: _S.FAILED, _E.LOSE_MPI: _S.STUCK, _E.LEAVE: _S.LEAVING,
+    },
+    _S.STUCK: {
+        _E.BEGIN_CYCLE: _S.STUCK, _E.END_CYCLE: _S.STUCK, _E.STOP: _S.STUCK,
+        _E.FAIL: _S.STUCK, _E.LOSE_MPI: _S.STUCK, _E.LEAVE: _S.LEAVING,
+    },
+    _S.LEAVING: {event: _S.LEAVING for event in Event},
+}
+
+RUNNING_STATES = frozenset({State.IDLE, State.NEGOTIATING})
+ABNORMAL_STATES = frozenset({State.FAILED, State.STUCK, State.LEAVING})
+
+
+def transition(state: State, event: Event) -> State:
+    """The state that ``event`` leads to from ``state``."""
+    return _TRANSITIONS[state][event]
+
+
+class Lifecycle:
+    """Owns the engine's state, its stop error and its announcement; announces, stops,
+    raises and hears alarms, and leaves the job (see module docstring).
+
+    Args:
+        rank: this process's rank.
+        size: number of ranks.
+        control: the control plane alarms and the exit barrier go through.
+        exit_timeout_s: how long a departing rank waits for its peers
+            (BAGUAHVD_EXIT_TIMEOUT_SECONDS).
+        on_stop: called with the stop error after every stop, outside the lock: fails the
+            pending requests.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        control: ControlPlane,
+        exit_timeout_s: float,
+        on_stop: Callable[[BaseException], None],
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.control = control
+        self.exit_timeout_s = exit_timeout_s
+        self._on_stop = on_stop
+        self._lock = threading.Lock()
+        self.state = State.IDLE
+        self.error: BaseException | None = None
+        """The error every pending and later request raises once stopped (first wins)."""
+        self.notice: Notice | None = None
+        """This rank's announcement of the end of the job, sent in the next cycle."""
+        self.stuck_reason: str | None = None
+        """Why this rank's MPI calls cannot all complete (``STUCK``, or lost while
+        ``LEAVING``)."""
+
+    def _apply(self, event: Event) -> None:
+        self.state = _TRANSITIONS[self.state][event]
+
+    # -- what the rest of the engine asks -------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """Whether requests are still accepted (no stop error yet)."""
+        return self.error is None
+
+    @property
+    def abnormal(self) -> bool:
+        """Whether the engine stopped because something failed."""
+        return self.state in ABNORMAL_STATES
+
+    @property
+    def may_be_stuck(self) -> bool:
+        """Whether the engine thread may be blocked in MPI for good: ``shutdown()`` then does
+        not wait for it (a thread that is leaving ends in bounded time, and is waited for)."""
+        return self.state in (State.FAILED, State.STUCK)
+
+    # -- events -----------------------------------------------------------------------------
+
+    def begin_cycle(self) -> None:
+        with self._lock:
+            self._apply(Event.BEGIN_CYCLE)
+
+    def end_cycle(self) -> None:
+        with self._lock:
+            self._apply(Event.END_CYCLE)
+
+    def announce(self, notice: Notice) -> bool:
+        """Records ``notice`` for the next cycle unless one is pending or the engine has
+        stopped; returns whether it was recorded."""
+        with self._lock:
+            if self.notice is not None or self.error is not None:
+                return False
+            self.notice = notice
+            return True
+
+    def stop(self, error: BaseException, abnormal: bool = False) -> None:
+        """Stops the engine: every pending and later request fails with the first stop's
+        error."""
+        self._stopping(Event.FAIL if abnormal else Event.STOP, error)
+
+    def lose_mpi(self, reason: str, error: BaseException) -> None:
+        """Stops the engine because some MPI call of this rank may never complete."""
+        with self._lock:
+            self.stuck_reason = reason
+        self._stopping(Event.LOSE_MPI, error)
+
+    def leave(self, error: BaseException | None = None) -> None:
+        """This rank leaves the protocol in the middle of a cycle (then stops with
+        ``error`` when given); :meth:`leave_mid_cycle` tells the peers."""
+        with self._lock:
+            self._apply(Event.LEAVE)
+        if error is not None:
+            self._stopping(Event.FAIL, error)
+
+    def _stopping(self, event: Event, error: BaseException) -> None:
+        with self._lock:
+            self._apply(event)
+            if self.error is None:
+                self.error = error
+            stopped = self.error
+        self._on_stop(stopped)
+
+    # -- alarms -----------------------------------------------------------------------------
+
+    def check_alarm(self) -> None:
+        """Turns a peer's alarm (see :meth:`leave_mid_cycle`) into this rank's error and
+        acknowledges it. Called by the watchdog thread, or by the engine thread while it
+        waits."""
+        alarm = self.control.poll_alarm()
+        if alarm is None:
+            return
+        source, notice = alarm
+        self.control.acknowledge(source)
+        error = notice.error(self.rank)
+        logger.error("%s", error)
+        # This rank's engine thread may be blocked in a collective the sender never joins.
+        self.lose_mpi(f"rank {source} left a collective unfinished", error)
+
+    def leave_mid_cycle(self, reason: str) -> None:
+        """Tells the peers that this rank failed in the middle of a cycle (the engine is
+        stopped already and in ``LEAVING``).
+
+        The peers may be blocked in a collective this rank will never join, or will be in
+        the next negotiation, so a notice in the next cycle would never reach them. It goes
+        to each of them as an alarm instead; their watchdog thread picks it up within a
+        tenth of a second, acknowledges it and fails their collectives with
+        ``PeerFailureError(this rank, reason)``. A peer that does not acknowledge within
+        ``exit_timeout_s`` cannot hear it (its engine thread is blocked inside MPI and MPI
+        lets no other thread in: HOROVOD_MPI_THREADS_DISABLE=1; or it is frozen): MPI_Abort
+        then ends the job.
+        """
+        peers = [r for r in range(self.size) if r != self.rank]
+        self.control.raise_alarm(Notice(NoticeKind.FAILURE, self.rank, reason), peers)
+        deadline = time.monotonic() + self.exit_timeout_s
+        missing = set(peers)
+        while True:
+            missing -= self.control.acknowledged()
+            if not missing:
+                return
+            if time.monotonic() >= deadline:
+                break
+            # A peer that failed at the same time waits for this rank's acknowledgement.
+            self.check_alarm()
+            time.sleep(0.002)
+        self.abort(
+            f"ranks {sorted(missing)} did not acknowledge this rank's failure within "
+            f"{self.exit_timeout_s:g} s (BAGUAHVD_EXIT_TIMEOUT_SECONDS); they are "
+            "blocked in a collective it will not join"
+        )
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def leave_job(self, thread_alive: bool) -> None:
+        """At interpreter exit, after a failure stopped the engine: waits up to
+        ``exit_timeout_s`` for every rank to get here too, then lets MPI finalize; ends the
+        whole job with MPI_Abort instead when some rank does not come (it is stuck, asleep
+        or dead: MPI_Finalize would wait for it forever)."""
+        if not self.abnormal or self.size == 1:
+            return
+        if self.stuck_reason is not None or thread_alive:
+            self.abort(f"{self.stuck_reason or 'the engine thread is stuck'}, so MPI cannot "
+                       "finish")
+        elif not self.control.exit_barrier(self.exit_timeout_s):
+            self.abort(
+                f"not every rank exited within {self.exit_timeout_s:g} s of the "
+                "failure (BAGUAHVD_EXIT_TIMEOUT_SECONDS)"
+            )
+
+    def abort(self, why: str) -> None:
+        logger.error("ending the job with MPI_Abort: %s", why)
+        for handler in logging.getLogger("baguahvd").handlers:
+            handler.flush()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        self.control.abort(1)

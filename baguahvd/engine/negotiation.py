@@ -1,0 +1,271 @@
+"""One rank's side of negotiation: what it announces each cycle and what it learns.
+
+Each cycle every rank runs the same exchange on the control plane:
+
+1. One bitwise AND over a byte vector: bit ``s`` of the first part says "my request for
+   cache slot ``s`` is pending" (or "I am not a member of its set"); the second part says
+   "slot ``s`` is still valid for me"; the last byte holds two flags whose cleared bit means
+   yes: "I have something to send rank 0" and "I announce the end of the job". A slot that
+   every rank marked pending runs from the cache without rank 0; one that some rank marked
+   invalid is evicted everywhere and its requests are negotiated in full.
+2. Only when some rank has something to send: a gather of
+   :class:`~baguahvd.engine.notices.RankReport` to rank 0, whose
+   :class:`~baguahvd.engine.coordinator.Coordinator` answers every rank with one
+   :class:`~baguahvd.engine.notices.Decision`.
+
+The cycle's agreed work is the cached hits (in slot order) followed by rank 0's responses.
+Every rank then caches the same responses in the same order (:meth:`Negotiator.remember`),
+which keeps the caches identical. While a rank has joined, nothing is answered from the
+cache: cached announcements cannot count ranks that joined.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from baguahvd.backends.base import ControlPlane
+from baguahvd.engine.cache import Lookup, ResponseCache, may_cache, response_cacheable
+from baguahvd.engine.coordinator import Coordinator
+from baguahvd.engine.messages import Response
+from baguahvd.engine.notices import Decision, Notice, RankReport
+from baguahvd.engine.process_sets import ProcessSetState
+from baguahvd.engine.requests import Request
+from baguahvd.engine.stall import StallInspector
+from baguahvd.engine.timeline import Timeline
+
+# Flag bits of the last byte of the negotiation vector; a cleared bit means "yes".
+FLAG_NOTHING_TO_SEND = 1
+FLAG_NO_SHUTDOWN = 2
+
+Entry = tuple[Response, Request | None]
+"""An agreed response and this rank's request for it (None where it has none)."""
+
+
+class Negotiator:
+    """The engine thread's negotiation state (see module docstring).
+
+    Args:
+        rank: this process's rank (rank 0 coordinates).
+        size: number of ranks.
+        control: the control plane the exchange runs on.
+        process_sets: the registered process sets, by id (read, never changed here).
+        cache_capacity: HOROVOD_CACHE_CAPACITY.
+        inspector: the stall inspector.
+        timeline: rank 0's timeline, if any.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        control: ControlPlane,
+        process_sets: Mapping[int, ProcessSetState],
+        cache_capacity: int,
+        inspector: StallInspector,
+        timeline: Timeline | None,
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.control = control
+        self.process_sets = process_sets
+        self.timeline = timeline
+        self.inspector = inspector
+        self.cache = ResponseCache(cache_capacity)
+        self.waiting_on_cache: dict[int, Request] = {}
+        """Requests admitted as cache hits, by slot."""
+        self.stale_slots: set[int] = set()
+        """Slots this rank reports invalid in the next cycle."""
+        self.to_send: list[Request] = []
+        """Requests to send rank 0 in full in the next cycle."""
+        self.sent: dict[tuple[int, str], Request] = {}
+        """Requests sent to rank 0 and not answered yet."""
+        self.join_mode = False
+        self.coordinator = Coordinator(inspector, timeline) if rank == 0 else None
+
+    def in_flight(self) -> bool:
+        """Whether some request waits for the other ranks (the next cycle starts at once)."""
+        return bool(self.sent or self.waiting_on_cache or self.to_send)
+
+    # -- admitting new requests -----------------------------------------------------------
+
+    def admit_all(self, requests: list[Request], admit: Callable[[Request], None]) -> None:
+        """``admit`` (normally :meth:`admit`) for a cycle's new requests, with the common
+        case (a cache hit) inline."""
+        cache = self.cache
+        if self.join_mode or cache.capacity == 0:
+            for request in requests:
+                admit(request)
+            return
+        lookup = cache.lookup
+        waiting = self.waiting_on_cache
+        timeline = self.timeline
+        traced = timeline is not None and timeline.active
+        for request in requests:
+            meta = request.meta
+            if may_cache(meta.op, meta.key):
+                found, slot = lookup(meta.process_set_id, meta.key, meta.signature())
+                if found is Lookup.HIT:
+                    waiting[slot] = request
+                    if traced:
+                        assert timeline is not None
+                        timeline.negotiation_started(meta.name, meta.op)
+                    continue
+            admit(request)
+
+    def admit(self, request: Request) -> None:
+        """Files a new request: as a cache hit, or to be sent to rank 0."""
+        meta = request.meta
+        if self.join_mode or self.cache.capacity == 0 or not may_cache(meta.op, meta.key):
+            self.to_send.append(request)
+            return
+        found, slot = self.cache.lookup(meta.process_set_id, meta.key, meta.signature())
+        if found is Lookup.HIT:
+            self.waiting_on_cache[slot] = request
+            if self.timeline is not None and self.timeline.active:
+                self.timeline.negotiation_started(meta.name, meta.op)
+            return
+        if found is Lookup.STALE:
+            self.stale_slots.add(slot)
+        self.to_send.append(request)
+
+    # -- the cycle --------------------------------------------------------------------------
+
+    def announcement(self, notice: Notice | None) -> np.ndarray:
+        """This rank's byte vector for the cycle's bitwise AND (see module docstring)."""
+        capacity = self.cache.capacity
+        hits = self.cache.not_member.copy()
+        if self.waiting_on_cache:
+            hits[list(self.waiting_on_cache)] = True
+        valid = np.ones(capacity, dtype=bool)
+        if self.stale_slots:
+            valid[list(self.stale_slots)] = False
+            self.stale_slots.clear()
+        flags = 0xFF
+        if self.to_send or notice is not None:
+            flags &= ~FLAG_NOTHING_TO_SEND
+        if notice is not None:
+            flags &= ~FLAG_NO_SHUTDOWN
+        return np.concatenate(
+            [np.packbits(hits), np.packbits(valid), np.array([flags], dtype=np.uint8)]
+        )
+
+    @staticmethod
+    def end_agreed(agreed: np.ndarray) -> bool:
+        """Whether some rank announced the end of the job in this cycle."""
+        return not int(agreed[-1]) & FLAG_NO_SHUTDOWN
+
+    def settle(self, agreed: np.ndarray) -> tuple[list[Entry], int]:
+        """The cycle's agreed work from the AND of every rank's vector (after the full
+        negotiation with rank 0 when some rank had something to send), and how many of the
+        entries, at the end, were negotiated in full."""
+        capacity = self.cache.capacity
+        span = (capacity + 7) // 8
+        ready = np.unpackbits(agreed[:span])[:capacity].astype(bool)
+        still_valid = np.unpackbits(agreed[span : 2 * span])[:capacity].astype(bool)
+        for slot in np.flatnonzero(~still_valid).tolist():
+            ready[slot] = False
+            self.cache.evict(slot)
+            stale = self.waiting_on_cache.pop(slot, None)
+            if stale is not None:
+                self.to_send.append(stale)
+        slots = np.flatnonzero(ready).tolist()
+        waiting = self.waiting_on_cache.pop
+        entries: list[Entry] = [
+            (response, waiting(slot, None))
+            for slot, response in zip(slots, self.cache.take(slots))
+        ]
+        negotiated: list[Response] = []
+        if not int(agreed[-1]) & FLAG_NOTHING_TO_SEND:
+            negotiated = self.negotiate(None).responses
+            sent = self.sent.pop
+            for response in negotiated:
+                entries.append((response, sent((response.process_set_id, response.key), None)))
+        return entries, len(negotiated)
+
+    def negotiate(self, notice: Notice | None) -> Decision:
+        """Sends the requests to send (and ``notice``) to rank 0; returns its decision."""
+        now = time.monotonic()
+        metas = [request.meta for request in self.to_send]
+        waited = [now - request.submitted for request in self.to_send]
+        for request in self.to_send:
+            self.sent[(request.meta.process_set_id, request.meta.key)] = request
+        self.to_send = []
+        decision = self.exchange(RankReport(metas, waited, notice))
+        join_mode = bool(decision.joined)
+        if join_mode and not self.join_mode:
+            # Cached announcements cannot count ranks that joined: renegotiate in full.
+            self.to_send.extend(self.waiting_on_cache.values())
+            self.waiting_on_cache.clear()
+        self.join_mode = join_mode
+        return decision
+
+    def exchange(self, report: RankReport) -> Decision:
+        """Sends this rank's report to rank 0 and returns rank 0's decision."""
+        gathered = self.control.gather(report)
+        decision: Decision | None = None
+        if self.coordinator is not None:
+            assert gathered is not None
+            decision = self.coordinator.decide(gathered, self.process_sets, self.size)
+        result: Decision = self.control.broadcast(decision)
+        return result
+
+    def announce_end(self, notice: Notice) -> None:
+        """Runs the announcing half of a cycle with nothing but ``notice`` in it."""
+        span = (self.cache.capacity + 7) // 8
+        flags = 0xFF & ~FLAG_NOTHING_TO_SEND & ~FLAG_NO_SHUTDOWN
+        words = np.concatenate(
+            [np.zeros(span, dtype=np.uint8), np.full(span, 0xFF, dtype=np.uint8),
+             np.array([flags], dtype=np.uint8)]
+        )
+        self.control.bitwise_and(words)
+        self.exchange(RankReport([], [], notice))
+
+    def remember(self, response: Response, request: Request | None) -> None:
+        """Caches a negotiated response; every rank calls this for the same responses in the
+        same order, so the caches stay identical."""
+        if not response_cacheable(response):
+            return
+        state = self.process_sets.get(response.process_set_id)
+        if state is None:
+            return
+        signature = None if request is None else request.meta.signature()
+        for slot in self.cache.put(response, signature, state.includes(self.rank)):
+            # A request admitted as a hit on an entry that is now gone (ranks admit requests
+            # in different cycles) must be negotiated in full, or it waits on a slot that
+            # another name will reuse.
+            waiting = self.waiting_on_cache.pop(slot, None)
+            if waiting is not None:
+                self.to_send.append(waiting)
+
+    # -- stalls, removed sets, the end ------------------------------------------------------
+
+    def check_stalls(self, now: float) -> Notice | None:
+        """Invalidates the cache entries this rank's requests have waited on too long (they
+        are then negotiated in full, visible to rank 0); on rank 0, reports stalls and
+        returns the notice that ends the job past the stall shutdown time."""
+        self.stale_slots.update(self.inspector.stale_cache_waits(self.waiting_on_cache, now))
+        if self.coordinator is None:
+            return None
+        return self.coordinator.check_stalls(self.process_sets, now)
+
+    def forget_process_set(self, ident: int) -> list[Request]:
+        """Evicts a removed set's entries; returns the requests that waited on them (they
+        can never run)."""
+        self.cache.evict_process_set(ident)
+        orphans = []
+        for slot, request in list(self.waiting_on_cache.items()):
+            if request.meta.process_set_id == ident:
+                del self.waiting_on_cache[slot]
+                orphans.append(request)
+        return orphans
+
+    def drain(self) -> list[Request]:
+        """Takes every request this rank still negotiates (the engine stops)."""
+        pending = [*self.to_send, *self.sent.values(), *self.waiting_on_cache.values()]
+        self.to_send = []
+        self.sent.clear()
+        self.waiting_on_cache.clear()
+        return pending

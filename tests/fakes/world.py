@@ -1,0 +1,354 @@
+"""An in-process job: N ranks as threads over an in-memory control plane and communicators.
+
+Every rank drives a real :class:`~baguahvd.engine.engine.Engine`; only the transport is
+replaced. A collective is a meeting: the k-th call of each member on a channel (the control
+plane, or one process set's communicator) meets the k-th call of the others, and each
+member computes the result from everybody's contribution. Alarms are per-rank mailboxes.
+
+:meth:`World.close` parks every thread still waiting in a meeting for good, as MPI would
+leave a rank blocked in a collective that a failed peer never joins: the engine threads are
+daemon threads, and a parked thread costs nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from baguahvd.backends.base import Communicator, ControlPlane
+from baguahvd.common.config import Config
+from baguahvd.common.ops import ReduceOp
+from baguahvd.engine.engine import Engine
+
+T = TypeVar("T")
+
+_REDUCE: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    ReduceOp.SUM: torch.add,
+    ReduceOp.MIN: torch.minimum,
+    ReduceOp.MAX: torch.maximum,
+    ReduceOp.PRODUCT: torch.mul,
+}
+
+
+class World:
+    """The shared state of the in-process job (see module docstring)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._cond = threading.Condition()
+        self._meetings: dict[tuple[object, ...], dict[int, Any]] = {}
+        self._left: dict[tuple[object, ...], int] = {}
+        self._group_counts: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._alarms: list[list[tuple[int, Any]]] = [[] for _ in range(size)]
+        self._acks: list[set[int]] = [set() for _ in range(size)]
+        self._alarm_lock = threading.Lock()
+        self.aborts: list[tuple[int, int]] = []
+        """(rank, code) of every abort()."""
+        self.closed = False
+        self._never = threading.Event()
+        self.calls: dict[str, int] = {}
+        """How often each control-plane operation ran (counted once per rank)."""
+
+    def meet(
+        self,
+        key: tuple[object, ...],
+        rank: int,
+        members: int,
+        value: Any,
+        waiting: Callable[[], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[int, Any] | None:
+        """Leaves ``value`` at meeting ``key`` and returns everyone's values by rank once
+        ``members`` ranks came; ``None`` after ``timeout_s``."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            meeting = self._meetings.setdefault(key, {})
+            meeting[rank] = value
+            self._cond.notify_all()
+            while len(meeting) < members and not self.closed:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                self._cond.wait(0.002)
+                if waiting is not None:
+                    waiting()
+            if len(meeting) == members:
+                values = dict(meeting)
+                left = self._left.get(key, 0) + 1
+                if left == members:
+                    del self._meetings[key]
+                    self._left.pop(key, None)
+                else:
+                    self._left[key] = left
+                return values
+        # Closed while waiting for a rank that never comes: block for good.
+        self._never.wait()
+        raise AssertionError("unreachable")
+
+    def group_key(self, rank: int, ranks: tuple[int, ...]) -> tuple[object, ...]:
+        """The channel of the next communicator of ``ranks`` this rank creates."""
+        with self._cond:
+            count = self._group_counts.get((rank, ranks), 0)
+            self._group_counts[(rank, ranks)] = count + 1
+        return ("group", ranks, count)
+
+    def count(self, operation: str) -> None:
+        with self._cond:
+            self.calls[operation] = self.calls.get(operation, 0) + 1
+
+    def post_alarm(self, source: int, payload: Any, ranks: Sequence[int]) -> None:
+        with self._alarm_lock:
+            for rank in ranks:
+                self._alarms[rank].append((source, payload))
+
+    def take_alarm(self, rank: int) -> tuple[int, Any] | None:
+        with self._alarm_lock:
+            return self._alarms[rank].pop(0) if self._alarms[rank] else None
+
+    def ack(self, source: int, rank: int) -> None:
+        with self._alarm_lock:
+            self._acks[rank].add(source)
+
+    def acks_of(self, rank: int) -> set[int]:
+        with self._alarm_lock:
+            return set(self._acks[rank])
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
+class _Endpoint:
+    """One rank's numbered calls on one channel."""
+
+    def __init__(self, world: World, channel: tuple[object, ...], rank: int, members: int):
+        self.world = world
+        self.channel = channel
+        self.rank = rank
+        self.members = members
+        self._calls = 0
+
+    def meet(
+        self, value: Any, waiting: Callable[[], None] | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[int, Any] | None:
+        key = (*self.channel, self._calls)
+        self._calls += 1
+        return self.world.meet(key, self.rank, self.members, value, waiting, timeout_s)
+
+    def all(self, value: Any) -> list[Any]:
+        values = self.meet(value)
+        assert values is not None
+        return [values[r] for r in range(self.members)]
+
+
+class MemoryControlPlane(ControlPlane):
+    """One rank's :class:`ControlPlane` in a :class:`World`."""
+
+    threads_multiple = True
+
+    def __init__(self, world: World, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+        self.size = world.size
+        self._negotiation = _Endpoint(world, ("control",), rank, world.size)
+        self._exit = _Endpoint(world, ("exit",), rank, world.size)
+
+    def bitwise_and(
+        self, words: np.ndarray, waiting: Callable[[], None] | None = None
+    ) -> np.ndarray:
+        self.world.count("bitwise_and")
+        values = self._negotiation.meet(words.copy(), waiting)
+        assert values is not None
+        result = words.copy()
+        for other in values.values():
+            result &= other
+        return result
+
+    def gather(self, payload: Any) -> list[Any] | None:
+        self.world.count("gather")
+        values = self._negotiation.all(payload)
+        return values if self.rank == 0 else None
+
+    def broadcast(self, payload: Any) -> Any:
+        return self._negotiation.all(payload)[0]
+
+    def allgather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        return [list(v) for v in self._negotiation.all(list(values))]
+
+    def create_group_comm(self, ranks: Sequence[int]) -> Communicator | None:
+        ranks = tuple(sorted(ranks))
+        if self.rank not in ranks:
+            return None
+        return MemoryCommunicator(self.world, self.world.group_key(self.rank, ranks), ranks,
+                                  self.rank)
+
+    def exit_barrier(self, timeout_s: float) -> bool:
+        return self._exit.meet(None, timeout_s=timeout_s) is not None
+
+    def raise_alarm(self, payload: Any, ranks: Sequence[int]) -> None:
+        self.world.post_alarm(self.rank, payload, ranks)
+
+    def poll_alarm(self) -> tuple[int, Any] | None:
+        return self.world.take_alarm(self.rank)
+
+    def acknowledge(self, rank: int) -> None:
+        self.world.ack(self.rank, rank)
+
+    def acknowledged(self) -> set[int]:
+        return self.world.acks_of(self.rank)
+
+    def abort(self, code: int) -> None:
+        self.world.aborts.append((self.rank, code))
+
+
+class MemoryCommunicator(Communicator):
+    """A data communicator of some ranks of a :class:`World` (CPU tensors)."""
+
+    fail_next: BaseException | None = None
+    """Raised (once) by the next collective: a failure on this rank only."""
+
+    def __init__(
+        self, world: World, channel: tuple[object, ...], ranks: tuple[int, ...], rank: int
+    ) -> None:
+        self.ranks = ranks
+        self.rank = ranks.index(rank)
+        self.size = len(ranks)
+        self._endpoint = _Endpoint(world, channel, self.rank, self.size)
+
+    def _all(self, value: Any) -> list[Any]:
+        failure, self.fail_next = self.fail_next, None
+        if failure is not None:
+            raise failure
+        return self._endpoint.all(value)
+
+    def allreduce(self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp) -> None:
+        values = self._all(tensor_in.detach().clone())
+        result = values[0]
+        for value in values[1:]:
+            result = _REDUCE[op](result, value)
+        tensor_out.copy_(result)
+
+    def allgather(
+        self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, counts: Sequence[int]
+    ) -> None:
+        values = self._all(tensor_in.detach().reshape(-1)[: counts[self.rank]].clone())
+        tensor_out.view(-1)[: sum(counts)].copy_(torch.cat(values))
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        tensor.copy_(self._all(tensor.detach().clone())[root])
+
+    def alltoall(
+        self,
+        tensor_in: torch.Tensor,
+        send_counts: Sequence[int],
+        tensor_out: torch.Tensor,
+        recv_counts: Sequence[int],
+    ) -> None:
+        flat = tensor_in.detach().reshape(-1)
+        chunks = list(torch.split(flat[: sum(send_counts)].clone(), list(send_counts)))
+        values = self._all(chunks)
+        tensor_out.view(-1)[: sum(recv_counts)].copy_(
+            torch.cat([values[r][self.rank] for r in range(self.size)])
+        )
+
+    def reduce_scatter(
+        self,
+        tensor_in: torch.Tensor,
+        tensor_out: torch.Tensor,
+        counts: Sequence[int],
+        op: ReduceOp,
+    ) -> None:
+        values = self._all(tensor_in.detach().reshape(-1).clone())
+        total = values[0]
+        for value in values[1:]:
+            total = _REDUCE[op](total, value)
+        start = sum(counts[: self.rank])
+        tensor_out.view(-1)[: counts[self.rank]].copy_(total[start : start + counts[self.rank]])
+
+    def sendrecv(self, tensor_out: torch.Tensor, tensor_in: torch.Tensor, peer: int) -> None:
+        raise NotImplementedError("the in-process world has no point-to-point transfers")
+
+    def barrier(self) -> None:
+        self._all(None)
+
+
+def run_on_ranks(size: int, body: Callable[[int], T], timeout_s: float = 30.0) -> list[T]:
+    """Runs ``body(rank)`` on ``size`` threads at once; returns the results by rank and
+    re-raises the first rank's exception."""
+    results: list[Any] = [None] * size
+    errors: list[BaseException | None] = [None] * size
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = body(rank)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise TimeoutError(f"a rank did not finish within {timeout_s} s")
+    for error in errors:
+        if error is not None:
+            raise error
+    return results
+
+
+@dataclasses.dataclass
+class Job:
+    """A started in-process job: one engine per rank over one world."""
+
+    world: World
+    engines: list[Engine]
+    controls: list[MemoryControlPlane]
+
+    @property
+    def size(self) -> int:
+        return self.world.size
+
+    def run(self, body: Callable[[int, Engine], T], timeout_s: float = 30.0) -> list[T]:
+        """``body(rank, engine)`` on every rank at once (see :func:`run_on_ranks`)."""
+        return run_on_ranks(self.size, lambda r: body(r, self.engines[r]), timeout_s)
+
+    def data_comm(self, rank: int, process_set_id: int = 0) -> MemoryCommunicator:
+        comm = self.engines[rank].process_sets[process_set_id].comm
+        assert isinstance(comm, MemoryCommunicator)
+        return comm
+
+    def close(self) -> None:
+        """Shuts every engine down (together, as at the end of a script), then ends every
+        wait that a failed job left behind."""
+        try:
+            self.run(lambda rank, engine: engine.shutdown(timeout=2.0))
+        finally:
+            self.world.close()
+
+
+def start_job(size: int, **config: Any) -> Job:
+    """Builds and starts one engine per rank (what ``init()`` does, collectively).
+
+    ``config`` overrides :class:`Config` fields; the defaults here never give up on a peer
+    (the ranks share one process) and wait at most two seconds at exit.
+    """
+    settings = {"peer_timeout_s": 0.0, "exit_timeout_s": 2.0, **config}
+    cfg = dataclasses.replace(Config(), **settings)
+    world = World(size)
+    controls = [MemoryControlPlane(world, rank) for rank in range(size)]
+
+    def build(rank: int) -> Engine:
+        engine = Engine(cfg, controls[rank])
+        engine.start()
+        return engine
+
+    engines = run_on_ranks(size, build)
+    return Job(world, engines, controls)

@@ -1,0 +1,201 @@
+"""The engine's rules on their own: the fusion plan, what may be cached, the lifecycle table,
+and where device communicators come from."""
+
+from __future__ import annotations
+
+import pytest
+
+from baguahvd.backends.base import Communicator, SelfCommunicator
+from baguahvd.common.exceptions import HorovodInternalError
+from baguahvd.common.ops import ReduceOp
+from baguahvd.engine.cache import may_cache, response_cacheable
+from baguahvd.engine.dispatch import Dispatcher
+from baguahvd.engine.fusion import plan_fusion
+from baguahvd.engine.intake import RequestQueue
+from baguahvd.engine.lifecycle import ABNORMAL_STATES, RUNNING_STATES, Event, State, transition
+from baguahvd.engine.messages import OpType, Response
+from baguahvd.engine.process_sets import ProcessSetState
+from tests.fakes.world import MemoryCommunicator, World
+
+
+def _allreduce(name: str, count: int, **fields: object) -> tuple[Response, str]:
+    settings: dict[str, object] = {"dtype": "float32", "shapes": ((count,),), **fields}
+    response = Response(key=name, name=name, op=OpType.ALLREDUCE, process_set_id=0,
+                        **settings)  # type: ignore[arg-type]
+    return response, name
+
+
+def _names(units: list[list[tuple[Response, str]]]) -> list[list[str]]:
+    return [[own for _, own in unit] for unit in units]
+
+
+# ---------------------------------------------------------------------------------------
+# Fusion plan
+
+
+def test_small_allreduces_of_one_kind_share_a_unit() -> None:
+    entries = [_allreduce("a", 4), _allreduce("b", 4), _allreduce("c", 4)]
+    assert _names(plan_fusion(entries, threshold=1024)) == [["a", "b", "c"]]
+
+
+def test_a_unit_closes_at_the_threshold() -> None:
+    # 4 float32 elements are 16 bytes: two fit in 32 bytes, the third opens a new unit.
+    entries = [_allreduce("a", 4), _allreduce("b", 4), _allreduce("c", 4)]
+    assert _names(plan_fusion(entries, threshold=32)) == [["a", "b"], ["c"]]
+
+
+def test_no_threshold_fuses_nothing() -> None:
+    entries = [_allreduce("a", 1), _allreduce("b", 1)]
+    assert _names(plan_fusion(entries, threshold=0)) == [["a"], ["b"]]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"dtype": "float64"},
+        {"reduce_op": ReduceOp.MAX},
+        {"prescale": 2.0},
+        {"postscale": 0.5},
+        {"device": "GPU"},
+        {"process_set_id": 1},
+    ],
+)
+def test_allreduces_that_differ_in_kind_are_not_fused(fields: dict[str, object]) -> None:
+    first = _allreduce("a", 1)
+    response = first[0]._replace(**fields)  # type: ignore[arg-type]
+    entries = [first, (response._replace(key="b", name="b"), "b"), _allreduce("c", 1)]
+    # "c" joins "a"'s unit, which stays open past the different "b".
+    assert _names(plan_fusion(entries, threshold=1024)) == [["a", "c"], ["b"]]
+
+
+def test_errors_adasum_and_other_collectives_run_alone() -> None:
+    gather = Response(key="g", name="g", op=OpType.ALLGATHER, process_set_id=0,
+                      dtype="float32", shapes=((1,),))
+    entries = [
+        _allreduce("a", 1),
+        _allreduce("bad", 1, error="mismatch"),
+        _allreduce("adasum", 1, reduce_op=ReduceOp.ADASUM),
+        (gather, "g"),
+        _allreduce("b", 1),
+    ]
+    assert _names(plan_fusion(entries, threshold=1024)) == [
+        ["a", "b"], ["bad"], ["adasum"], ["g"]
+    ]
+
+
+def test_grouped_allreduces_run_alone_when_group_fusion_is_disabled() -> None:
+    grouped = _allreduce("group", 0, shapes=((1,), (2,)))
+    entries = [_allreduce("a", 1), grouped, _allreduce("b", 1)]
+    assert _names(plan_fusion(entries, threshold=1024)) == [["a", "group", "b"]]
+    assert _names(plan_fusion(entries, threshold=1024, disable_group_fusion=True)) == [
+        ["a", "b"], ["group"]
+    ]
+
+
+# ---------------------------------------------------------------------------------------
+# What may be cached
+
+
+@pytest.mark.parametrize(
+    ("op", "key", "expected"),
+    [
+        (OpType.ALLREDUCE, "allreduce.w", True),
+        (OpType.ALLGATHER, "allgather.w", True),
+        (OpType.BROADCAST, "broadcast.w", True),
+        (OpType.ALLTOALL, "alltoall.w", True),
+        (OpType.REDUCESCATTER, "reducescatter.w", True),
+        (OpType.ALLREDUCE, "noname.3", False),
+        (OpType.BARRIER, "barrier", False),
+        (OpType.JOIN, "join", False),
+        (OpType.ADD_PROCESS_SET, "add_process_set.x", False),
+        (OpType.REMOVE_PROCESS_SET, "remove_process_set.x", False),
+    ],
+)
+def test_may_cache(op: OpType, key: str, expected: bool) -> None:
+    assert may_cache(op, key) is expected
+
+
+def test_only_responses_that_ran_with_every_member_are_cached() -> None:
+    response, _ = _allreduce("allreduce.w", 1)
+    assert response_cacheable(response)
+    assert not response_cacheable(response._replace(error="mismatch"))
+    assert not response_cacheable(response._replace(joined=(2,)))
+    assert not response_cacheable(response._replace(key="noname.0"))
+
+
+# ---------------------------------------------------------------------------------------
+# Lifecycle
+
+
+def test_every_state_answers_every_event() -> None:
+    for state in State:
+        for event in Event:
+            assert isinstance(transition(state, event), State)
+
+
+def test_cycles_alternate_while_running_and_change_nothing_once_stopped() -> None:
+    assert transition(State.IDLE, Event.BEGIN_CYCLE) is State.NEGOTIATING
+    assert transition(State.NEGOTIATING, Event.END_CYCLE) is State.IDLE
+    for state in set(State) - RUNNING_STATES:
+        assert transition(state, Event.BEGIN_CYCLE) is state
+        assert transition(state, Event.END_CYCLE) is state
+
+
+def test_stopping_only_gets_worse() -> None:
+    for state in RUNNING_STATES:
+        assert transition(state, Event.STOP) is State.STOPPED
+        assert transition(state, Event.FAIL) is State.FAILED
+        assert transition(state, Event.LOSE_MPI) is State.STUCK
+    assert transition(State.STOPPED, Event.FAIL) is State.FAILED
+    assert transition(State.FAILED, Event.STOP) is State.FAILED
+    assert transition(State.FAILED, Event.LOSE_MPI) is State.STUCK
+    assert transition(State.STUCK, Event.FAIL) is State.STUCK
+    for state in ABNORMAL_STATES:
+        for event in (Event.STOP, Event.FAIL):
+            assert transition(state, event) in ABNORMAL_STATES
+
+
+def test_leaving_is_final() -> None:
+    for state in State:
+        assert transition(state, Event.LEAVE) is State.LEAVING
+    for event in Event:
+        assert transition(State.LEAVING, event) is State.LEAVING
+
+
+# ---------------------------------------------------------------------------------------
+# Device communicators come from the factory the engine was given
+
+
+def _dispatcher(factory: object) -> Dispatcher:
+    return Dispatcher(0, {}, RequestQueue(0), None, factory, lambda ranks: 0,  # type: ignore[arg-type]
+                      lambda ident: None)
+
+
+def test_a_sets_device_communicator_is_made_once_by_the_factory() -> None:
+    made: list[Communicator] = []
+
+    def factory(comm: Communicator) -> Communicator:
+        made.append(comm)
+        return SelfCommunicator()
+
+    dispatcher = _dispatcher(factory)
+    data = SelfCommunicator()
+    state = ProcessSetState(1, (0, 1), data)
+    # A group of one needs no device communicator.
+    assert dispatcher.device_comm(state, data) is data and made == []
+    data_comm = _pair()
+    state = ProcessSetState(1, (0, 1), data_comm)
+    first = dispatcher.device_comm(state, data_comm)
+    assert dispatcher.device_comm(state, data_comm) is first
+    assert made == [data_comm] and state.device_comm is first
+
+
+def test_without_a_factory_device_collectives_fail_with_a_reason() -> None:
+    comm = _pair()
+    with pytest.raises(HorovodInternalError, match="without device communicators"):
+        _dispatcher(None).device_comm(ProcessSetState(1, (0, 1), comm), comm)
+
+
+def _pair() -> Communicator:
+    """A data communicator of two ranks (never used for data here)."""
+    return MemoryCommunicator(World(2), ("pair",), (0, 1), 0)

@@ -1,0 +1,244 @@
+"""The engine's cycle in one process: N ranks as threads over an in-memory control plane.
+
+Negotiation, the response cache, join, process sets, stalls and failure propagation run on
+real engines (see ``tests/fakes/world.py``), without MPI.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from baguahvd.common.exceptions import (
+    MismatchError,
+    PeerFailureError,
+    ShutDownError,
+    StallError,
+)
+from baguahvd.common.ops import ReduceOp
+from baguahvd.engine.engine import GLOBAL_PROCESS_SET_ID, Engine
+from baguahvd.engine.lifecycle import State
+from baguahvd.engine.messages import OpType
+from baguahvd.engine.requests import Handle
+from tests.fakes.world import Job, start_job
+
+SIZE = 3
+
+
+@pytest.fixture
+def job() -> Iterator[Job]:
+    started = start_job(SIZE)
+    try:
+        yield started
+    finally:
+        started.close()
+
+
+def _allreduce(
+    engine: Engine, tensor: torch.Tensor, name: str | None,
+    process_set_id: int = GLOBAL_PROCESS_SET_ID, op: ReduceOp = ReduceOp.SUM,
+) -> Handle:
+    out = torch.empty_like(tensor)
+    return engine.submit(
+        OpType.ALLREDUCE, "allreduce", process_set_id, [tensor], [out], name=name, reduce_op=op
+    )
+
+
+def _result(handle: Handle) -> torch.Tensor:
+    outputs = handle.wait()
+    assert outputs is not None
+    return outputs[0]
+
+
+def test_allreduce_sums_over_every_rank(job: Job) -> None:
+    def body(rank: int, engine: Engine) -> torch.Tensor:
+        return _result(_allreduce(engine, torch.full((4,), float(rank + 1)), "x"))
+
+    for result in job.run(body):
+        assert torch.equal(result, torch.full((4,), 6.0))
+
+
+def test_every_collective_kind_runs_in_one_cycle(job: Job) -> None:
+    def body(rank: int, engine: Engine) -> list[object]:
+        value = torch.tensor([float(rank)])
+        handles = [
+            _allreduce(engine, torch.tensor([float(rank)]), "a", op=ReduceOp.MAX),
+            engine.submit(OpType.ALLGATHER, "allgather", 0,
+                          [torch.full((rank + 1,), float(rank))], None, name="g"),
+            engine.submit(OpType.BROADCAST, "broadcast", 0, [value], [value.clone()],
+                          name="b", root=2),
+            engine.submit(OpType.BARRIER, "barrier", 0, [], None),
+        ]
+        return [handle.wait() for handle in handles]
+
+    for allreduced, gathered, broadcast, barrier in job.run(body):
+        assert allreduced[0].tolist() == [2.0]
+        assert gathered[0].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 2.0]
+        assert broadcast[0].tolist() == [2.0]
+        assert barrier is None
+
+
+def test_unnamed_requests_match_by_order(job: Job) -> None:
+    def body(rank: int, engine: Engine) -> list[float]:
+        handles = [_allreduce(engine, torch.tensor([float(i * 10 + rank)]), None)
+                   for i in range(3)]
+        return [_result(h).item() for h in handles]
+
+    for results in job.run(body):
+        assert results == [3.0, 33.0, 63.0]
+
+
+def test_repeated_collectives_are_answered_from_the_cache(job: Job) -> None:
+    def step(rank: int, engine: Engine) -> float:
+        return _result(_allreduce(engine, torch.ones(2), "w")).sum().item()
+
+    assert job.run(step) == [6.0] * SIZE
+    gathers = job.world.calls["gather"]
+    for _ in range(5):
+        assert job.run(step) == [6.0] * SIZE
+    # Every later step is announced by one bit: nothing reaches rank 0.
+    assert job.world.calls["gather"] == gathers
+
+
+def test_a_changed_shape_is_renegotiated_not_mismatched(job: Job) -> None:
+    def step(shape: int) -> list[float]:
+        return job.run(lambda rank, engine: _result(
+            _allreduce(engine, torch.ones(shape), "w")).sum().item())
+
+    assert step(2) == [6.0] * SIZE
+    gathers = job.world.calls["gather"]
+    assert step(5) == [15.0] * SIZE
+    assert job.world.calls["gather"] > gathers
+
+
+def test_a_mismatch_raises_on_every_rank_naming_ranks_and_shapes(job: Job) -> None:
+    def body(rank: int, engine: Engine) -> str:
+        shape = (17, 3) if rank == 1 else (16, 3)
+        with pytest.raises(MismatchError) as info:
+            _allreduce(engine, torch.ones(shape), "grad").wait()
+        return str(info.value)
+
+    messages = job.run(body)
+    assert len(set(messages)) == 1
+    assert "allreduce.grad" in messages[0]
+    assert "[17, 3]" in messages[0] and "[16, 3]" in messages[0]
+    # The job goes on afterwards.
+    assert job.run(lambda rank, engine: _result(
+        _allreduce(engine, torch.ones(1), "after")).item()) == [3.0] * SIZE
+
+
+def test_joined_ranks_contribute_zeros_and_join_reports_the_last(job: Job) -> None:
+    def body(rank: int, engine: Engine) -> tuple[list[float], int]:
+        results = []
+        steps = rank + 1  # rank 2 has the most batches and joins last
+        for step in range(steps):
+            results.append(_result(_allreduce(engine, torch.ones(1), f"s{step}")).item())
+        join = engine.submit(OpType.JOIN, "join", GLOBAL_PROCESS_SET_ID, [], None)
+        join.wait()
+        return results, int(join.extra)
+
+    outcome = job.run(body)
+    for rank, (results, last) in enumerate(outcome):
+        assert results == [3.0, 2.0, 1.0][: rank + 1]
+        assert last == 2
+
+
+def test_a_cached_collective_runs_while_a_rank_has_joined(job: Job) -> None:
+    def step(rank: int, engine: Engine) -> float:
+        return _result(_allreduce(engine, torch.ones(1), "w")).item()
+
+    assert job.run(step) == [3.0] * SIZE  # now cached everywhere
+
+    def body(rank: int, engine: Engine) -> tuple[float | None, int]:
+        value = None if rank == 0 else step(rank, engine)
+        join = engine.submit(OpType.JOIN, "join", GLOBAL_PROCESS_SET_ID, [], None)
+        join.wait()
+        return value, int(join.extra)
+
+    # Rank 0's bit for "w" never comes: ranks 1 and 2 must renegotiate it in full.
+    results = job.run(body, timeout_s=5.0)
+    assert [value for value, _ in results] == [None, 2.0, 2.0]
+    assert len({last for _, last in results}) == 1
+
+
+def test_a_dynamic_process_set_runs_only_its_members(job: Job) -> None:
+    def add(rank: int, engine: Engine) -> int:
+        handle = engine.submit(OpType.ADD_PROCESS_SET, "add_process_set", 0, [], None,
+                               payload=(0, 2))
+        handle.wait()
+        return int(handle.extra)
+
+    idents = job.run(add)
+    assert len(set(idents)) == 1
+    ident = idents[0]
+
+    def body(rank: int, engine: Engine) -> float | None:
+        if rank == 1:
+            return None
+        return _result(_allreduce(engine, torch.tensor([float(rank)]), "sub", ident)).item()
+
+    assert job.run(body) == [2.0, None, 2.0]
+
+
+def test_shutdown_on_one_rank_stops_every_rank(job: Job) -> None:
+    pending = [_allreduce(job.engines[r], torch.ones(1), "late") for r in (1, 2)]
+    job.engines[0].shutdown()
+    for handle in pending:
+        with pytest.raises(ShutDownError, match="rank 0 shut down"):
+            handle.wait()
+    with pytest.raises(ShutDownError):
+        _allreduce(job.engines[1], torch.ones(1), "later")
+    for engine in job.engines:
+        assert engine.state is State.STOPPED and not engine.abnormal
+
+
+def test_a_failing_rank_fails_its_peers_collectives(job: Job) -> None:
+    pending = [_allreduce(job.engines[r], torch.ones(1), "x") for r in (0, 2)]
+    job.engines[1].fail("RuntimeError: boom")
+    for handle in pending:
+        with pytest.raises(PeerFailureError) as info:
+            handle.wait()
+        assert info.value.rank == 1 and "RuntimeError: boom" in str(info.value)
+    _wait_for(lambda: all(engine.state is State.FAILED for engine in job.engines))
+
+
+def test_a_collective_failing_on_one_rank_raises_an_alarm_to_the_others(job: Job) -> None:
+    job.data_comm(1).fail_next = MemoryError("no room for the output")
+
+    def body(rank: int, engine: Engine) -> PeerFailureError:
+        with pytest.raises(PeerFailureError) as info:
+            _allreduce(engine, torch.ones(1), "big").wait()
+        return info.value
+
+    errors = job.run(body)
+    for error in errors:
+        assert error.rank == 1 and "MemoryError: no room for the output" in str(error)
+    # Rank 1 left mid-cycle; the others' engine threads wait in the collective it left.
+    assert job.engines[1].state is State.LEAVING
+    assert job.engines[0].state is State.STUCK and job.engines[2].state is State.STUCK
+    _wait_for(lambda: job.world.acks_of(1) == {0, 2})
+    assert job.world.aborts == []
+
+
+def test_a_stall_past_the_shutdown_time_ends_the_job_on_every_rank() -> None:
+    job = start_job(SIZE, stall_check_time_s=0.05, stall_shutdown_time_s=0.1)
+    try:
+        pending = [_allreduce(job.engines[r], torch.ones(1), "lonely") for r in (0, 1)]
+        for handle in pending:
+            with pytest.raises(StallError) as info:
+                handle.wait()
+            assert info.value.missing == {"allreduce.lonely": [2]}
+        with pytest.raises(StallError):
+            _allreduce(job.engines[2], torch.ones(1), "lonely")
+    finally:
+        job.close()
+
+
+def _wait_for(condition: object, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
