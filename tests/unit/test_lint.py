@@ -1,4 +1,5 @@
-"""Static checks run as part of the suite: ruff on everything, mypy on the package."""
+"""Static checks run as part of the suite: ruff on everything, mypy on the package, the
+import-linter contracts and module sizes."""
 
 from __future__ import annotations
 
@@ -33,3 +34,24 @@ def test_mypy() -> None:
         [_tool("mypy"), "--no-error-summary"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_import_layers() -> None:
+    """The import-linter contracts in pyproject.toml: the layer order of the README's
+    Architecture section, and no import cycle between the modules of any package."""
+    result = subprocess.run(
+        [_tool("lint-imports"), "--no-cache"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_module_sizes() -> None:
+    """No module of the package grows past 600 lines, except torch/mpi_ops.py, which keeps
+    the shape of Horovod's file of the same name so that the two can be read side by side."""
+    too_long = {
+        str(path.relative_to(ROOT)): lines
+        for path in sorted((ROOT / "baguahvd").rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > 600
+        and path.relative_to(ROOT).as_posix() != "baguahvd/torch/mpi_ops.py"
+    }
+    assert not too_long, too_long
