@@ -100,7 +100,7 @@ class Dispatcher:
             response = response._replace(last_joined=self.rank)
         comm = state.comm if state.comm is not None else SelfCommunicator()
         if self.timeline is not None and self.timeline.active:
-            self.timeline.queued(response.name, response.op)
+            self.timeline.queued(response.name, response.op, request.activity)
         try:
             self.execute([(response, request)], comm)
         except Exception as exc:  # noqa: BLE001 - reported through the handle

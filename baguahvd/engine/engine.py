@@ -35,11 +35,12 @@ execution), :mod:`~baguahvd.engine.process_sets` (the registry) and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -127,6 +128,23 @@ class Engine:
         )
         self._executing: list[Request] = []
         self.cycles = 0
+        # Per submitting thread: the timeline activity of the requests it submits now.
+        self._activity = threading.local()
+
+    @contextlib.contextmanager
+    def activity(self, name: str) -> Iterator[None]:
+        """Tags the requests this thread submits inside the block with a timeline activity.
+
+        The timeline draws ``name`` (e.g. ``BAGUA_BYTEGRAD``) around each of their
+        collectives, so a trace shows which collectives an algorithm issued without reading
+        anything into their names. Blocks nest; the innermost one counts.
+        """
+        previous = getattr(self._activity, "name", None)
+        self._activity.name = name
+        try:
+            yield
+        finally:
+            self._activity.name = previous
 
     # ----------------------------------------------------------------------------------
     # Process sets
@@ -293,6 +311,7 @@ class Engine:
             op, label, process_set_id, inputs, outputs, name, reduce_op, prescale, postscale,
             root, splits, payload,
         )
+        request.activity = getattr(self._activity, "name", None)
         if len(state.ranks) == 1:
             self._queue.check_unique(request)
             self._dispatch.run_alone(request, state)
@@ -366,7 +385,7 @@ class Engine:
             timeline.cycle_started()
             for response, own in entries:
                 if own is not None:
-                    timeline.queued(response.name, response.op)
+                    timeline.queued(response.name, response.op, own.activity)
         for unit in self._fuse(entries):
             try:
                 self._dispatch.run_unit(unit)

@@ -72,7 +72,7 @@ class Handle:
 class Request:
     """A submitted collective: its description, its tensors and its handle."""
 
-    __slots__ = ("meta", "inputs", "outputs", "handle", "submitted", "ident")
+    __slots__ = ("meta", "inputs", "outputs", "handle", "submitted", "ident", "activity")
 
     def __init__(
         self,
@@ -88,3 +88,6 @@ class Request:
         self.submitted = time.monotonic()
         self.ident = (meta.process_set_id, meta.key)
         """What names it among the requests in flight."""
+        self.activity: str | None = None
+        """The timeline activity drawn around its collective, e.g. ``BAGUA_BYTEGRAD`` (see
+        :meth:`baguahvd.engine.engine.Engine.activity`)."""

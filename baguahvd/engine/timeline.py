@@ -11,7 +11,7 @@ Each tensor name is a "process" of the trace; its rows show Horovod's activities
   ``MEMCPY_IN_FUSION_BUFFER``, ``MPI_<OP>`` or ``NCCL_<OP>`` and
   ``MEMCPY_OUT_FUSION_BUFFER``;
 * ``BAGUA_<ALGORITHM>`` (e.g. ``BAGUA_BYTEGRAD``) around the collectives that a Bagua
-  algorithm issues (names ``bagua.<algorithm>.*``);
+  algorithm issues (requests submitted inside the engine's ``activity`` block);
 * with ``HOROVOD_TIMELINE_MARK_CYCLES``, a global ``CYCLE_START`` mark at every cycle that
   negotiated or ran something (idle cycles, a thousand a second, are left out).
 
@@ -47,7 +47,6 @@ logger = logging.getLogger("baguahvd.engine")
 
 _FLUSH_INTERVAL_S = 0.1
 _TAIL = "\n]\n"
-_ALGORITHM_PREFIX = "bagua."
 
 
 def negotiate_activity(op: OpType) -> str:
@@ -57,15 +56,6 @@ def negotiate_activity(op: OpType) -> str:
 def transport_activity(op: OpType, device: str) -> str:
     """``MPI_ALLREDUCE`` or ``NCCL_ALLREDUCE``: the library that moves the data."""
     return f"{'MPI' if device == 'CPU' else 'NCCL'}_{op.label}"
-
-
-def algorithm_activity(name: str) -> str | None:
-    """``BAGUA_BYTEGRAD`` for ``allreduce.bagua.bytegrad.bucket0``; None for other names."""
-    _, _, user_name = name.partition(".")
-    if not user_name.startswith(_ALGORITHM_PREFIX):
-        return None
-    algorithm = user_name[len(_ALGORITHM_PREFIX) :].split(".", 1)[0]
-    return f"BAGUA_{algorithm.upper()}" if algorithm else None
 
 
 class _TraceFile:
@@ -239,8 +229,9 @@ class Timeline:
             if stack and stack[-1] == negotiate_activity(op):
                 self._end(name)
 
-    def queued(self, name: str, op: OpType) -> None:
-        """The collective is agreed and waits for its turn in the cycle."""
+    def queued(self, name: str, op: OpType, activity: str | None = None) -> None:
+        """The collective is agreed and waits for its turn in the cycle; ``activity`` (the
+        request's, e.g. ``BAGUA_BYTEGRAD``) is drawn around it."""
         with self._lock:
             stack = self._open.get(name)
             if stack is None:
@@ -248,9 +239,8 @@ class Timeline:
                     return
             elif stack and stack[-1] == negotiate_activity(op):
                 self._end(name)
-            algorithm = algorithm_activity(name)
-            if algorithm is not None:
-                self._begin(name, algorithm)
+            if activity is not None:
+                self._begin(name, activity)
             self._begin(name, op.label)
             self._begin(name, "QUEUE")
 

@@ -34,7 +34,7 @@ from baguahvd.engine.notices import Notice, NoticeKind, describe_exception, firs
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
 from baguahvd.engine.stall import StallInspector
-from baguahvd.engine.timeline import Timeline, algorithm_activity
+from baguahvd.engine.timeline import Timeline
 from baguahvd.engine.watchdog import Watchdog, is_gone, process_identity
 
 REPO = Path(__file__).resolve().parents[2]
@@ -348,26 +348,19 @@ def test_restarting_the_timeline_starts_a_new_file(tmp_path: Path) -> None:
     assert not timeline.active
 
 
-def test_bagua_algorithms_get_their_own_activity() -> None:
-    assert algorithm_activity("allreduce.bagua.bytegrad.bucket0") == "BAGUA_BYTEGRAD"
-    assert algorithm_activity("alltoall.bagua.low_precision_decentralized.ring") == (
-        "BAGUA_LOW_PRECISION_DECENTRALIZED"
-    )
-    assert algorithm_activity("allreduce.fc1.weight") is None
-    assert algorithm_activity("allreduce.noname.3") is None
-
-
 def test_bagua_activity_wraps_the_collective(tmp_path: Path) -> None:
     path = tmp_path / "timeline.json"
     timeline = Timeline()
     timeline.start(str(path))
     name = "alltoall.bagua.bytegrad.bucket0.alltoall"
-    timeline.queued(name, OpType.ALLTOALL)
+    timeline.queued(name, OpType.ALLTOALL, "BAGUA_BYTEGRAD")
+    # The activity comes from the request, not from the name.
+    timeline.queued("allreduce.bagua.bytegrad.other", OpType.ALLREDUCE)
     timeline.phase(name, "MPI_ALLTOALL")
     timeline.done(name)
     timeline.stop()
     begins = [e["name"] for e in json.loads(path.read_text()) if e["ph"] == "B"]
-    assert begins == ["BAGUA_BYTEGRAD", "ALLTOALL", "QUEUE", "MPI_ALLTOALL"]
+    assert begins == ["BAGUA_BYTEGRAD", "ALLTOALL", "QUEUE", "ALLREDUCE", "QUEUE", "MPI_ALLTOALL"]
 
 
 def test_step_window_records_only_between_the_steps(tmp_path: Path) -> None:

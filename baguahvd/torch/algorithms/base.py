@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 
 from baguahvd.runtime.process_sets import ProcessSet
+from baguahvd.runtime.state import runtime
 from baguahvd.torch.algorithms.buckets import Bucket, split_into_buckets
 
 DEFAULT_BUCKET_BYTES = 10 * 1024 * 1024
@@ -65,23 +66,33 @@ class Algorithm(abc.ABC):
     def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
         """Binds the algorithm to an optimizer."""
 
+    @property
+    def activity(self) -> str:
+        """The timeline activity drawn around the algorithm's collectives, e.g.
+        ``BAGUA_BYTEGRAD``."""
+        return f"BAGUA_{self.name.upper()}"
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({fields})"
 
 
 class Worker:
-    """Runs submitted jobs one after another on a thread of its own.
+    """Runs an algorithm's jobs one after another on a thread of its own.
 
-    Errors are kept and re-raised by :meth:`wait`, in the thread that waits.
+    The collectives the jobs submit carry the algorithm's timeline activity. Errors are kept
+    and re-raised by :meth:`wait`, in the thread that waits.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, algorithm: Algorithm) -> None:
+        self._activity = algorithm.activity
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._pending = 0
         self._idle = threading.Condition()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop, name=f"baguahvd-{algorithm.name}", daemon=True
+        )
         self._thread.start()
 
     def submit(self, job: Callable[[], None]) -> None:
@@ -100,6 +111,10 @@ class Worker:
         self._jobs.put(None)
 
     def _loop(self) -> None:
+        with runtime.require_engine().activity(self._activity):
+            self._run_jobs()
+
+    def _run_jobs(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
@@ -158,7 +173,7 @@ class GradientAlgorithmImpl(AlgorithmImpl):
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._ready: set[int] = set()
         self._next = 0
-        self._worker = Worker(f"baguahvd-{algorithm.name}")
+        self._worker = Worker(algorithm)
 
     def on_backward(self, p: torch.Tensor) -> None:
         self._ready.add(id(p))

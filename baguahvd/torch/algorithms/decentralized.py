@@ -137,7 +137,7 @@ class _DecentralizedImpl(AlgorithmImpl):
         """Exchanges done so far: the rotation of ``"shift_one"``."""
         self._launched = False
         self._synchronized_step = -1
-        self._worker = Worker(f"baguahvd-{algorithm.name}")
+        self._worker = Worker(algorithm)
 
     def _check_even(self, context: AlgorithmContext) -> None:
         if self.hierarchy is not None:

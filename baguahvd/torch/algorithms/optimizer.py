@@ -10,6 +10,7 @@ communication (``synchronize``), run or replace the optimizer step (``step``) an
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -55,9 +56,10 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         self._impl = None
         elastic = bool(runtime.config is not None and runtime.config.elastic)
         if process_set.included() and (runtime.size() > 1 or elastic):
-            self._impl = algorithm.reify(
-                AlgorithmContext(self, trainable, process_set, bucket_bytes)
-            )
+            with self._communicating():
+                self._impl = algorithm.reify(
+                    AlgorithmContext(self, trainable, process_set, bucket_bytes)
+                )
             for _, p in trainable:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
@@ -67,14 +69,20 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         algorithm's ``abort()`` and ``resume()``."""
         return self._impl
 
+    def _communicating(self) -> contextlib.AbstractContextManager[None]:
+        """Tags the collectives submitted inside the block with the algorithm's activity."""
+        return runtime.require_engine().activity(self.algorithm.activity)
+
     def _on_grad(self, p: torch.Tensor) -> None:
         if self._count_pass(p) and self._impl is not None:
-            self._impl.on_backward(p)
+            with self._communicating():
+                self._impl.on_backward(p)
 
     def synchronize(self) -> None:
         """Finishes this step's communication (results land in ``.grad`` or the weights)."""
         if self._impl is not None:
-            self._impl.synchronize()
+            with self._communicating():
+                self._impl.synchronize()
         self._reset_count()
         self._synchronized = True
 
@@ -83,8 +91,9 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         base_step = super(self.__class__, self).step  # type: ignore[misc]
         if self._impl is None:
             return base_step(closure)
-        result = self._impl.step(closure, base_step)
-        self._impl.post_step()
+        with self._communicating():
+            result = self._impl.step(closure, base_step)
+            self._impl.post_step()
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
