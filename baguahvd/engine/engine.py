@@ -379,6 +379,11 @@ class Engine:
             lifecycle.end_cycle()
             return False
         entries, negotiated = negotiation.settle(agreed)
+        for response, own in entries[len(entries) - negotiated :]:
+            if own is None:
+                # Ran (or failed) while this rank had joined: count it, before the join can
+                # return, so that this rank's next unnamed collective pairs with the others'.
+                self._queue.skip_unnamed(response.process_set_id, response.key)
         self._executing = [request for _, request in entries if request is not None]
         timeline = self.timeline
         if timeline is not None and timeline.active and entries:

@@ -50,6 +50,21 @@ class RequestQueue:
         self._noname: dict[int, int] = {}
         self._last_arrival = 0.0
 
+    def skip_unnamed(self, process_set_id: int, key: str) -> None:
+        """Counts an agreed unnamed collective this rank submitted nothing for.
+
+        A rank that has joined takes part in the others' collectives without submitting
+        them; its count of unnamed requests must still advance past each one, or its next
+        unnamed request after the join would pair with one the others already ran (or
+        failed). Named keys are ignored.
+        """
+        if not key.startswith(UNNAMED_PREFIX):
+            return
+        number = int(key[len(UNNAMED_PREFIX):])
+        with self.lock:
+            if self._noname.get(process_set_id, 0) <= number:
+                self._noname[process_set_id] = number + 1
+
     def make_request(
         self,
         op: OpType,

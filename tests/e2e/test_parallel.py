@@ -1,4 +1,5 @@
-"""Launches every ``tests/parallel/test_*.py`` under ``mpirun -np 2`` and ``-np 3``.
+"""Launches every ``tests/parallel/test_*.py`` under ``mpirun -np 2`` and ``-np 3``, and the
+modules in :data:`ALSO_AT_4` under ``-np 4`` too.
 
 Each rank runs the same pytest session; the launch fails if any rank fails, hangs past the
 timeout, or dies, and the failure message carries every rank's output.
@@ -15,11 +16,16 @@ from tests.support import jobs
 
 PARALLEL = sorted(p.name for p in (jobs.ROOT / "tests" / "parallel").glob("test_*.py"))
 TIMEOUT_S = int(os.environ.get("BAGUAHVD_TEST_TIMEOUT", "300"))
+ALSO_AT_4 = ("test_join_uneven.py",)
+"""Modules whose logic depends on the world size beyond two and three ranks (how many ranks
+joined before the others)."""
+RUNS = [(module, np) for module in PARALLEL for np in (2, 3)] + [
+    (module, 4) for module in ALSO_AT_4
+]
 
 
 @pytest.mark.parallel
-@pytest.mark.parametrize("np", [2, 3])
-@pytest.mark.parametrize("module", PARALLEL)
+@pytest.mark.parametrize(("module", "np"), RUNS)
 def test_parallel(module: str, np: int, tmp_path: pathlib.Path) -> None:
     result = jobs.launch(
         ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", "--timeout", "120",

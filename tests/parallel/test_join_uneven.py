@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import baguahvd.torch as hvd
@@ -53,3 +54,22 @@ def test_training_on_uneven_batches_then_join(rank: int, size: int) -> None:
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
     # Everyone is back in step: a plain collective works.
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after_join").item() == size
+
+
+def test_unnamed_collectives_stay_paired_after_a_join(rank: int, size: int) -> None:
+    """A rank that joined early counts the unnamed collectives the others ran or failed
+    meanwhile, so the next unnamed collectives of every rank pair up again (at any size)."""
+    if rank == 0:
+        assert hvd.join() == size - 1
+    else:
+        # Runs without rank 0, which contributes zeros.
+        total = hvd.allreduce(torch.ones(2), op=hvd.Sum)
+        assert torch.equal(total, torch.full((2,), float(size - 1)))
+        # Fails on every rank that submitted it: rank 0 has joined.
+        with pytest.raises(hvd.HorovodInternalError, match="not supported with Join"):
+            hvd.allgather(torch.ones(1, 3))
+        assert hvd.join() == size - 1
+    summed = hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum)
+    assert summed.item() == sum(range(size))
+    assert hvd.allgather(torch.tensor([rank])).tolist() == list(range(size))
+    assert hvd.allgather_object(rank * 10) == [r * 10 for r in range(size)]
