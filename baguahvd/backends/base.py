@@ -23,6 +23,7 @@ engine passes in, so the engine never names a transport.
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -210,6 +211,12 @@ class ControlPlane(abc.ABC):
 
     def free(self) -> None:  # noqa: B027 - optional hook
         """Releases the underlying resources."""
+
+    def end_process(self, status: int) -> None:
+        """Ends this process with ``status`` once every rank has reached the exit barrier:
+        the transport is shut down cleanly first, since the peers are leaving too. The
+        default has nothing to shut down."""
+        os._exit(status)
 
 
 DeviceCommFactory = Callable[[Communicator], Communicator]

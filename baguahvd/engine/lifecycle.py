@@ -149,8 +149,11 @@ class Lifecycle:
     @property
     def may_be_stuck(self) -> bool:
         """Whether the engine thread may be blocked in MPI for good: ``shutdown()`` then does
-        not wait for it (a thread that is leaving ends in bounded time, and is waited for)."""
-        return self.state in (State.FAILED, State.STUCK)
+        not wait for it. A FAILED engine's thread has completed its MPI calls and is ending
+        its loop, and a thread that is leaving ends in bounded time: both are waited for, so
+        that the exit that follows does not mistake a thread still finishing for a stuck
+        one."""
+        return self.state is State.STUCK
 
     # -- events -----------------------------------------------------------------------------
 
@@ -263,14 +266,28 @@ class Lifecycle:
                 f"not every rank exited within {self.exit_timeout_s:g} s of the "
                 "failure (BAGUAHVD_EXIT_TIMEOUT_SECONDS)"
             )
+        else:
+            # Every rank is here. Whether or not the script caught the error, a job that a
+            # failure ended does not exit with 0: the same status on every run.
+            logger.error("exiting with status 1: the job was ended by %s", self._reason())
+            _flush()
+            self.control.end_process(1)
+
+    def _reason(self) -> str:
+        error = self.error
+        return f"{type(error).__name__}: {error}" if error is not None else "a failure"
 
     def abort(self, why: str) -> None:
         logger.error("ending the job with MPI_Abort: %s", why)
-        for handler in logging.getLogger("baguahvd").handlers:
-            handler.flush()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        _flush()
         self.control.abort(1)
+
+
+def _flush() -> None:
+    for handler in logging.getLogger("baguahvd").handlers:
+        handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass

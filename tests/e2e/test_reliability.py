@@ -359,3 +359,20 @@ def test_the_timeline_of_a_killed_job_still_parses(tmp_path: pathlib.Path) -> No
     assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "MPI_ALLREDUCE"} <= names, names
     rows = {e["args"].get("name") for e in events if e.get("name") == "process_name"}
     assert "allreduce.before_kill" in rows, rows
+
+
+@pytest.mark.parallel
+def test_a_job_ended_by_a_stall_exits_non_zero_even_when_caught(tmp_path: pathlib.Path) -> None:
+    code, logs, elapsed = _run(tmp_path, """
+        try:
+            hvd.allreduce(torch.ones(2), name=f"only_rank_{rank}")
+        except StallError:
+            print("CAUGHT", flush=True)
+        """, np=3, env=FAST_FAILURE)
+    dump = _dump(logs)
+    assert code == 1, dump
+    for r in range(3):
+        assert "CAUGHT" in logs[r], dump
+        assert f"rank {r} lifecycle.py" in logs[r] and "exiting with status 1: the job was " \
+            "ended by StallError: Stalled for more than 3 seconds" in logs[r], dump
+    assert "MPI_Abort" not in dump, dump

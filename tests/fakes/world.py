@@ -49,6 +49,8 @@ class World:
         self._acks: list[set[int]] = [set() for _ in range(size)]
         self._alarm_lock = threading.Lock()
         self.aborts: list[tuple[int, int]] = []
+        self.exits: list[tuple[int, int]] = []
+        """(rank, status) of every rank that ended its process after the exit barrier."""
         """(rank, code) of every abort()."""
         self.closed = False
         self._never = threading.Event()
@@ -206,6 +208,9 @@ class MemoryControlPlane(ControlPlane):
 
     def abort(self, code: int) -> None:
         self.world.aborts.append((self.rank, code))
+
+    def end_process(self, status: int) -> None:
+        self.world.exits.append((self.rank, status))
 
 
 class MemoryCommunicator(Communicator):

@@ -237,6 +237,33 @@ def test_a_stall_past_the_shutdown_time_ends_the_job_on_every_rank() -> None:
         job.close()
 
 
+def test_a_job_ended_by_a_failure_exits_with_status_1_on_every_rank() -> None:
+    """Even when every script caught the error: at exit the ranks meet, then each ends its
+    process with status 1, never 0 and never depending on timing."""
+    job = start_job(SIZE, stall_check_time_s=0.05, stall_shutdown_time_s=0.1)
+    try:
+        pending = [_allreduce(job.engines[r], torch.ones(1), "lonely") for r in (0, 1)]
+        for handle in pending:
+            with pytest.raises(StallError):
+                handle.wait()
+        _wait_for(lambda: all(engine.state is State.FAILED for engine in job.engines))
+        for engine in job.engines:
+            engine.shutdown()
+        job.run(lambda rank, engine: engine.leave_job())
+        assert sorted(job.world.exits) == [(r, 1) for r in range(SIZE)]
+        assert job.world.aborts == []
+    finally:
+        job.close()
+
+
+def test_a_clean_shutdown_leaves_the_exit_status_alone(job: Job) -> None:
+    _allreduce(job.engines[0], torch.ones(1), "x")
+    job.engines[1].shutdown()
+    _wait_for(lambda: all(engine.state is State.STOPPED for engine in job.engines))
+    job.run(lambda rank, engine: engine.leave_job())
+    assert job.world.exits == [] and job.world.aborts == []
+
+
 def _wait_for(condition: object, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():  # type: ignore[operator]

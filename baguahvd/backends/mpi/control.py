@@ -9,6 +9,7 @@ in a collective that will never complete.
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -162,6 +163,12 @@ class MPIControlPlane(ControlPlane):
     def abort(self, code: int) -> None:
         """Ends every process of the job (MPI_Abort on MPI_COMM_WORLD)."""
         MPI.COMM_WORLD.Abort(code)
+
+    def end_process(self, status: int) -> None:
+        """Finalizes MPI (every rank passed the exit barrier, so it cannot block), then ends
+        the process with ``status`` (MPI's exit handler would otherwise exit with 0)."""
+        MPI.Finalize()
+        os._exit(status)
 
     def free(self) -> None:
         self.comm.Free()
