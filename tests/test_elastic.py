@@ -156,8 +156,10 @@ def test_killed_rank_resumes_from_last_commit_with_identical_weights(
     assert killed["sizes"] == [2] * 18
     for name, tensor in reference["model"].items():
         assert torch.equal(tensor, killed["model"][name]), name
-    # The commits stay in the folder the user named, one file per host.
-    assert len(list((tmp_path / "commits").glob("commit-*.pt"))) == 1
+    # The commits stay in the folder the user named: the host's last two, with manifests.
+    assert len(list((tmp_path / "commits").glob("commit-*.pt"))) == 2
+    assert len(list((tmp_path / "commits").glob("commit-*.json"))) == 2
+    assert (tmp_path / "commits" / "finished.json").exists()
 
 
 @pytest.mark.parallel

@@ -16,6 +16,26 @@ in a loop, and every rank resumes from the state the job last committed.
 * The launcher reads ``mpirun``'s exit status: ``0`` ends the job, :data:`RESIZE_EXIT_CODE`
   relaunches at once on the new host set without counting as a failure, anything else is a
   failure that is relaunched while ``--max-restarts`` allows.
+* Before each launch the launcher removes ``<ELASTIC_DIR>/``:data:`TRAINING_MARK_FILE`; a
+  rank creates it (empty) once it has restored the job's state and entered the training
+  function, so the launcher can tell a failure before any training from one during it.
+
+The ranks own the rest of the folder (see :mod:`baguahvd.torch.elastic.base`):
+
+* :data:`JOB_FILE` names the job: JSON ``{"job_id": "<32 hex digits>", "format": 2}``,
+  created once by the first rank that finds none (written under a temporary name and
+  hard-linked into place, so exactly one rank's id wins and no rank reads a partial file).
+  The job id is derived from the folder alone: the launcher never writes it.
+* Commit ``n`` of a host is two files: ``commit-<n>.<host>.pt`` (the payload, ``torch.save``
+  of tensors and plain values, read with ``weights_only=True``) and
+  ``commit-<n>.<host>.json``, its manifest, written after the payload:
+  ``{"format": 2, "job_id", "host", "commit": n, "payload": "<payload name>",
+  "bytes": <payload size>, "sha256": "<hex digest of the payload bytes>"}``.
+  A commit counts only when its manifest matches the job id, its own name and the payload's
+  size and digest.
+* :data:`FINISHED_FILE` records that the training function returned:
+  JSON ``{"job_id", "commit": n}``. A later run (launch ``0``) on the folder does not resume
+  a finished job; see ``BAGUAHVD_ELASTIC_FINISHED``.
 """
 
 from __future__ import annotations
@@ -42,3 +62,12 @@ HOSTS_REMOVED: Final = "removed"
 """Notice ``result``: hosts or slots were removed and none added."""
 HOSTS_MIXED: Final = "mixed"
 """Notice ``result``: some hosts or slots were added and others removed."""
+
+TRAINING_MARK_FILE: Final = "training.started"
+"""Created in :data:`ELASTIC_DIR_ENV`'s folder by a rank that has started training."""
+JOB_FILE: Final = "job.json"
+"""The job's id inside :data:`ELASTIC_DIR_ENV`'s folder, written once by the ranks."""
+FINISHED_FILE: Final = "finished.json"
+"""Written into :data:`ELASTIC_DIR_ENV`'s folder when the training function returned."""
+COMMIT_FORMAT: Final = 2
+"""Version of the commit files and of :data:`JOB_FILE`."""
