@@ -14,6 +14,7 @@ from baguahvd.common.exceptions import HorovodInternalError, HostsUpdatedInterru
 from baguahvd.runtime.process_sets import ProcessSet, global_process_set
 from baguahvd.runtime.state import runtime as _runtime
 from baguahvd.torch import elastic as elastic
+from baguahvd.torch.averaging import averaged_state_dict
 from baguahvd.torch.compression import Compression
 from baguahvd.torch.distributed_optimizer import DistributedOptimizer
 from baguahvd.torch.functions import (
@@ -99,6 +100,7 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "averaged_state_dict",
     "alltoall",
     "alltoall_async",
     "barrier",

@@ -567,6 +567,7 @@ class State:
         """Saves the state in memory and in the elastic folder, then checks for host
         changes (raising :class:`HostsUpdatedInterrupt` on every rank if there was one)."""
         self.save()
+        self._average_replicas()
         self._commits += 1
         self._persist()
         self.check_host_updates()
@@ -606,6 +607,11 @@ class State:
 
     def reset(self) -> None:
         """Called before the reset callbacks; subclasses refresh size-dependent parts."""
+
+    def _average_replicas(self) -> None:
+        """Replaces the saved copy by its average over the ranks where ranks keep their own
+        replicas (weight-averaging algorithms), so that a commit is the same on every
+        rank. Collective, called by :meth:`commit` after :meth:`save`."""
 
     # -- persistence -----------------------------------------------------------------------
 
