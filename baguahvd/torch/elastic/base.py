@@ -120,6 +120,7 @@ class CheckpointStore:
         self._job_id: str | None = None
         self._warned: set[str] = set()
         self._marked = False
+        self._temporary_prefix = f"{_TEMPORARY_PREFIX}{self.host}."
 
     # -- the job ---------------------------------------------------------------------------
 
@@ -255,6 +256,12 @@ class CheckpointStore:
         """
         copies = [entry for entry in self._listing(self.job_id) if entry[0] == number]
         if not copies:
+            for name in sorted(os.listdir(self.folder)):
+                match = _COMMIT_FILE.match(name)
+                if match and int(match.group(1)) == number and match.group(3) == "json":
+                    raise CommitError(
+                        f"commit manifest {self._path(name)} is unreadable or not this job's"
+                    )
             raise FileNotFoundError(f"commit {number} is not in {self.folder}")
         errors = []
         for _, _, manifest, payload in copies:
@@ -317,7 +324,17 @@ class CheckpointStore:
             if older not in (number, previous):
                 _remove(older_manifest)
                 _remove(older_payload)
+        self._remove_leftovers({os.path.basename(entry[3]) for entry in mine})
         return payload_path
+
+    def _remove_leftovers(self, vouched: set[str]) -> None:
+        """Removes what this host's killed writers left: temporary files and payloads
+        whose manifest was never written."""
+        suffix = f".{self.host}.pt"
+        for name in os.listdir(self.folder):
+            orphan = name.endswith(suffix) and name not in vouched and _COMMIT_FILE.match(name)
+            if orphan or name.startswith(self._temporary_prefix):
+                _remove(self._path(name))
 
     def hosts_notice(self) -> tuple[int, HostUpdateResult]:
         """The newest host-change notice of the launcher: (version, what changed)."""
@@ -375,8 +392,8 @@ class CheckpointStore:
                 self._warn(name, f"ignoring {path}: written by job {owner}, not {job_id}")
                 continue
             payload = f"commit-{match.group(1)}.{match.group(2)}.pt"
-            payloads.discard(payload)
             listed.append((int(match.group(1)), match.group(2), path, self._path(payload)))
+        payloads -= {os.path.basename(entry[3]) for entry in listed}
         for name in sorted(payloads):
             self._warn(name, f"ignoring {self._path(name)}: no manifest of this job vouches for it")
         return listed
@@ -414,7 +431,7 @@ class CheckpointStore:
             ) from None
 
     def _temporary(self, data: bytes) -> str:
-        descriptor, temporary = tempfile.mkstemp(prefix=_TEMPORARY_PREFIX, dir=self.folder)
+        descriptor, temporary = tempfile.mkstemp(prefix=self._temporary_prefix, dir=self.folder)
         try:
             _write_all(descriptor, data)
         except BaseException:
