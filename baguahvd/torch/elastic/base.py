@@ -228,9 +228,9 @@ class CheckpointStore:
         """The newest commit that verifies, as (number, payload); (-1, None) when none
         does. Every commit refused on the way is logged with its file and reason."""
         refused: list[str] = []
-        for number, _, manifest, payload in sorted(self._listing(self.job_id), reverse=True):
+        for number, host, manifest, payload in sorted(self._listing(self.job_id), reverse=True):
             try:
-                loaded = self._load(number, manifest, payload)
+                loaded = self._load(number, host, manifest, payload)
             except CommitError as error:
                 logger.warning("%s; falling back to an older commit", error)
                 refused.append(os.path.basename(payload))
@@ -264,9 +264,9 @@ class CheckpointStore:
                     )
             raise FileNotFoundError(f"commit {number} is not in {self.folder}")
         errors = []
-        for _, _, manifest, payload in copies:
+        for _, host, manifest, payload in copies:
             try:
-                return self._load(number, manifest, payload)
+                return self._load(number, host, manifest, payload)
             except CommitError as error:
                 errors.append(error)
         raise errors[0]
@@ -329,10 +329,16 @@ class CheckpointStore:
 
     def _remove_leftovers(self, vouched: set[str]) -> None:
         """Removes what this host's killed writers left: temporary files and payloads
-        whose manifest was never written."""
+        whose manifest was never written (other jobs' files, with a manifest, stay)."""
         suffix = f".{self.host}.pt"
-        for name in os.listdir(self.folder):
-            orphan = name.endswith(suffix) and name not in vouched and _COMMIT_FILE.match(name)
+        names = set(os.listdir(self.folder))
+        for name in names:
+            orphan = (
+                name.endswith(suffix)
+                and name not in vouched
+                and f"{name[:-3]}.json" not in names
+                and _COMMIT_FILE.match(name) is not None
+            )
             if orphan or name.startswith(self._temporary_prefix):
                 _remove(self._path(name))
 
@@ -398,7 +404,7 @@ class CheckpointStore:
             self._warn(name, f"ignoring {self._path(name)}: no manifest of this job vouches for it")
         return listed
 
-    def _load(self, number: int, manifest_path: str, payload_path: str) -> Any:
+    def _load(self, number: int, host: str, manifest_path: str, payload_path: str) -> Any:
         try:
             with open(manifest_path, encoding="utf-8") as stream:
                 manifest = json.load(stream)
@@ -406,14 +412,14 @@ class CheckpointStore:
                 "format": protocol.COMMIT_FORMAT,
                 "job_id": self.job_id,
                 "commit": number,
+                "host": host,
                 "payload": os.path.basename(payload_path),
             }
             wrong = {k: manifest.get(k) for k, v in expected.items() if manifest.get(k) != v}
-            if wrong or manifest.get("host") != _COMMIT_FILE.match(
-                os.path.basename(manifest_path)
-            ).group(2):  # type: ignore[union-attr]
-                raise CommitError(f"commit manifest {manifest_path} does not match its name "
-                                  f"and job: {wrong or {'host': manifest.get('host')}}")
+            if wrong:
+                raise CommitError(
+                    f"commit manifest {manifest_path} does not match its name and job: {wrong}"
+                )
             data = _read_bytes(payload_path)
         except OSError as error:
             raise CommitError(f"commit {payload_path} cannot be read: {error}") from None
