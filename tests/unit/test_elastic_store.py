@@ -10,6 +10,7 @@ import pathlib
 import pytest
 import torch
 
+from baguahvd.common.config import Config
 from baguahvd.torch.elastic.base import CheckpointStore, CommitError, HostUpdateResult
 
 
@@ -185,3 +186,25 @@ def test_notice_written_by_the_launcher_format(tmp_path: pathlib.Path) -> None:
     notice = {"version": 1, "hosts": [["localhost", 3]], "result": "added"}
     (tmp_path / "hosts.json").write_text(json.dumps(notice))
     assert CheckpointStore(str(tmp_path)).hosts_notice() == (1, HostUpdateResult.added)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(None, "fresh"), ("resume", "resume"), (" Refuse ", "refuse")]
+)
+def test_the_finished_job_setting(value: str | None, expected: str) -> None:
+    env = {} if value is None else {"BAGUAHVD_ELASTIC_FINISHED": value}
+    assert Config.from_env(env).elastic_finished == expected
+
+
+def test_an_unknown_finished_job_setting_is_refused() -> None:
+    with pytest.raises(ValueError, match="BAGUAHVD_ELASTIC_FINISHED='skip'"):
+        Config.from_env({"BAGUAHVD_ELASTIC_FINISHED": "skip"})
+
+
+def test_a_damaged_job_file_is_refused_naming_it(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("baguahvd.torch.elastic.base._JOB_FILE_WAIT_S", 0.1)
+    (tmp_path / "job.json").write_text("{not json")
+    with pytest.raises(CommitError, match=f"{tmp_path / 'job.json'} does not name a baguahvd job"):
+        CheckpointStore(str(tmp_path)).newest()
