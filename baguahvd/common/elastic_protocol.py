@@ -17,15 +17,18 @@ in a loop, and every rank resumes from the state the job last committed.
   relaunches at once on the new host set without counting as a failure, anything else is a
   failure that is relaunched while ``--max-restarts`` allows.
 * Before each launch the launcher removes ``<ELASTIC_DIR>/``:data:`TRAINING_MARK_FILE`; a
-  rank creates it (empty) once it has restored the job's state and entered the training
-  function, so the launcher can tell a failure before any training from one during it.
+  rank creates it once it has restored the job's state and entered the training function.
+  A failed launch without it failed while starting up (an import error, an unreadable
+  commit). When two launches in a row fail that way with the same error, relaunching cannot
+  help, so the launcher ends the job with that error.
 
 The ranks own the rest of the folder (see :mod:`baguahvd.torch.elastic.base`):
 
 * :data:`JOB_FILE` names the job: JSON ``{"job_id": "<32 hex digits>", "format": 2}``,
-  created once by the first rank that finds none (written under a temporary name and
-  hard-linked into place, so exactly one rank's id wins and no rank reads a partial file).
-  The job id is derived from the folder alone: the launcher never writes it.
+  created once, with ``O_CREAT | O_EXCL``, by the first rank that finds none, so exactly one
+  rank's id wins; a rank that finds the file still being written waits for a whole record.
+  The job id is derived from the folder alone: the launcher never writes it. Starting a
+  finished job afresh replaces it atomically with a new id.
 * Commit ``n`` of a host is two files: ``commit-<n>.<host>.pt`` (the payload, ``torch.save``
   of tensors and plain values, read with ``weights_only=True``) and
   ``commit-<n>.<host>.json``, its manifest, written after the payload:
@@ -54,6 +57,9 @@ RESTART_ENV: Final = "BAGUAHVD_ELASTIC_RESTART"
 HOSTS_VERSION_ENV: Final = "BAGUAHVD_ELASTIC_HOSTS_VERSION"
 """The version of the host set this launch was started with (``0`` for the initial set)."""
 
+TRAINING_MARK_FILE: Final = "training.started"
+"""Created in :data:`ELASTIC_DIR_ENV`'s folder by a rank that has started training."""
+
 HOSTS_NOTICE_FILE: Final = "hosts.json"
 """Name of the host-change notice inside :data:`ELASTIC_DIR_ENV`'s folder."""
 HOSTS_ADDED: Final = "added"
@@ -63,8 +69,6 @@ HOSTS_REMOVED: Final = "removed"
 HOSTS_MIXED: Final = "mixed"
 """Notice ``result``: some hosts or slots were added and others removed."""
 
-TRAINING_MARK_FILE: Final = "training.started"
-"""Created in :data:`ELASTIC_DIR_ENV`'s folder by a rank that has started training."""
 JOB_FILE: Final = "job.json"
 """The job's id inside :data:`ELASTIC_DIR_ENV`'s folder, written once by the ranks."""
 FINISHED_FILE: Final = "finished.json"
