@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 
 _LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
+_ELASTIC_FINISHED = ("fresh", "resume", "refuse")
 
 
 def _lookup(env: Mapping[str, str], name: str, horovod_alias: bool = True) -> str | None:
@@ -144,6 +145,13 @@ class Config:
     elastic_restart: int = 0
     """How many launches of this elastic job came before this one
     (BAGUAHVD_ELASTIC_RESTART; set by ``baguahvdrun --elastic``)."""
+    elastic_finished: str = "fresh"
+    """What a new run does on an elastic folder whose job finished training
+    (BAGUAHVD_ELASTIC_FINISHED): ``fresh`` (default) starts training again from the
+    script's initial state and removes the finished job's commits, ``resume`` loads the
+    finished job's last commit (so the training function continues from its end, e.g.
+    after raising the epoch count), ``refuse`` raises an error. Relaunches of the same job
+    by ``baguahvdrun --elastic`` always resume."""
     elastic_hosts_version: int = 0
     """Version of the host set this launch started with (BAGUAHVD_ELASTIC_HOSTS_VERSION;
     set by ``baguahvdrun --elastic``); a newer notice in ``elastic_dir`` interrupts
@@ -183,6 +191,12 @@ class Config:
                 "cores."
             ) from None
         timeline = _lookup(env, "TIMELINE")
+        finished = (_lookup(env, "ELASTIC_FINISHED", horovod_alias=False) or "fresh").strip()
+        if finished.lower() not in _ELASTIC_FINISHED:
+            raise ValueError(
+                f"BAGUAHVD_ELASTIC_FINISHED={finished!r} is not one of "
+                f"{', '.join(_ELASTIC_FINISHED)}."
+            )
         config = cls(
             fusion_threshold=int(_as_number(env, "FUSION_THRESHOLD", cls.fusion_threshold, int)),
             cycle_time_ms=_as_number(env, "CYCLE_TIME", cls.cycle_time_ms),
@@ -218,6 +232,7 @@ class Config:
             elastic_restart=int(
                 _as_number(env, "ELASTIC_RESTART", 0, int, horovod_alias=False)
             ),
+            elastic_finished=finished.lower(),
             elastic_hosts_version=int(
                 _as_number(env, "ELASTIC_HOSTS_VERSION", 0, int, horovod_alias=False)
             ),

@@ -21,6 +21,24 @@ in a loop, and every rank resumes from the state the job last committed.
   A failed launch without it failed while starting up (an import error, an unreadable
   commit). When two launches in a row fail that way with the same error, relaunching cannot
   help, so the launcher ends the job with that error.
+
+The ranks own the rest of the folder (see :mod:`baguahvd.torch.elastic.base`):
+
+* :data:`JOB_FILE` names the job: JSON ``{"job_id": "<32 hex digits>", "format": 2}``,
+  created once, with ``O_CREAT | O_EXCL``, by the first rank that finds none, so exactly one
+  rank's id wins; a rank that finds the file still being written waits for a whole record.
+  The job id is derived from the folder alone: the launcher never writes it. Starting a
+  finished job afresh replaces it atomically with a new id.
+* Commit ``n`` of a host is two files: ``commit-<n>.<host>.pt`` (the payload, ``torch.save``
+  of tensors and plain values, read with ``weights_only=True``) and
+  ``commit-<n>.<host>.json``, its manifest, written after the payload:
+  ``{"format": 2, "job_id", "host", "commit": n, "payload": "<payload name>",
+  "bytes": <payload size>, "sha256": "<hex digest of the payload bytes>"}``.
+  A commit counts only when its manifest matches the job id, its own name and the payload's
+  size and digest.
+* :data:`FINISHED_FILE` records that the training function returned:
+  JSON ``{"job_id", "commit": n}``. A later run (launch ``0``) on the folder does not resume
+  a finished job; see ``BAGUAHVD_ELASTIC_FINISHED``.
 """
 
 from __future__ import annotations
@@ -50,3 +68,10 @@ HOSTS_REMOVED: Final = "removed"
 """Notice ``result``: hosts or slots were removed and none added."""
 HOSTS_MIXED: Final = "mixed"
 """Notice ``result``: some hosts or slots were added and others removed."""
+
+JOB_FILE: Final = "job.json"
+"""The job's id inside :data:`ELASTIC_DIR_ENV`'s folder, written once by the ranks."""
+FINISHED_FILE: Final = "finished.json"
+"""Written into :data:`ELASTIC_DIR_ENV`'s folder when the training function returned."""
+COMMIT_FORMAT: Final = 2
+"""Version of the commit files and of :data:`JOB_FILE`."""

@@ -3,6 +3,7 @@
 
 from baguahvd.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from baguahvd.torch import elastic as elastic
+from baguahvd.torch.averaging import averaged_state_dict
 from baguahvd.torch.compression import Compression
 from baguahvd.torch.distributed_optimizer import DistributedOptimizer
 from baguahvd.torch.functions import (
@@ -95,6 +96,7 @@ __all__ = [
     "allreduce_",
     "allreduce_async",
     "allreduce_async_",
+    "averaged_state_dict",
     "alltoall",
     "alltoall_async",
     "barrier",

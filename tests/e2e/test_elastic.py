@@ -8,120 +8,20 @@ seed: it resumes from its last commit, so no step is lost and none is applied tw
 from __future__ import annotations
 
 import pathlib
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
-from tests.support import jobs
-
-TIMEOUT_S = 240
-
-# 96 samples, 8 per rank per batch, 2 ranks: 6 steps an epoch. Commits every 4 steps and at
-# the end of every epoch. Uses only deterministic operations, so two runs agree bit for bit.
-_TRAIN = """
-import os
-import signal
-import time
-
-import torch
-from torch.utils.data import DataLoader, TensorDataset
-
-import baguahvd.torch as hvd
-
-EPOCHS, BATCH, COMMIT_EVERY = 3, 8, 4
-KILL_RANK = int(os.environ.get("KILL_RANK", "-1"))
-KILL_STEP = int(os.environ.get("KILL_STEP", "-1"))
-GROW_AT_STEP = int(os.environ.get("GROW_AT_STEP", "-1"))
-OUT = os.environ["OUT"]
-
-hvd.init()
-launch = int(os.environ.get("BAGUAHVD_ELASTIC_RESTART", "0"))
-torch.manual_seed(0)
-generator = torch.Generator().manual_seed(1)
-x = torch.randn(96, 8, generator=generator)
-y = x @ torch.randn(8, 1, generator=generator) + 0.1 * torch.randn(96, 1, generator=generator)
-dataset = TensorDataset(x, y)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
-optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=3)
-loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
-state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, steps=0, sizes=[])
-
-
-def scale_lr():
-    for group in optimizer.param_groups:
-        group["lr"] = 0.01 * hvd.size()
-
-
-state.register_reset_callbacks([scale_lr])
-scale_lr()
-
-
-@hvd.elastic.run
-def train(state):
-    print(f"launch {launch}: rank {hvd.rank()} of {hvd.size()} starts at step {state.steps}",
-          flush=True)
-    while state.epoch < EPOCHS:
-        for batch_idx, (data, target) in enumerate(loader):
-            if launch == 0 and hvd.rank() == KILL_RANK and state.steps == KILL_STEP:
-                print(f"killing rank {hvd.rank()} at step {state.steps}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-            if launch == 0 and hvd.rank() == 0 and state.steps == GROW_AT_STEP:
-                with open(os.environ["DISCOVERED"], "w") as hosts:
-                    hosts.write("localhost:3\\n")
-                notice = os.path.join(os.environ["BAGUAHVD_ELASTIC_DIR"], "hosts.json")
-                deadline = time.monotonic() + 60
-                while not os.path.exists(notice) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-            optimizer.zero_grad()
-            torch.nn.functional.mse_loss(model(data), target).backward()
-            optimizer.step()
-            state.steps += 1
-            state.sizes.append(hvd.size())
-            sampler.record_batch(batch_idx, BATCH)
-            if state.steps % COMMIT_EVERY == 0:
-                state.commit()
-        state.epoch += 1
-        sampler.set_epoch(state.epoch)
-        state.commit()
-
-
-train(state)
-if hvd.rank() == 0:
-    torch.save({"model": model.state_dict(), "steps": state.steps, "sizes": state.sizes,
-                "lr": optimizer.param_groups[0]["lr"]}, OUT)
-print(f"launch {launch}: rank {hvd.rank()} finished after {state.steps} steps", flush=True)
-"""
-
-
-def _baguahvdrun(
-    args: list[str], tmp_path: pathlib.Path, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(_TRAIN))
-    return jobs.run_launcher([*args, sys.executable, str(script)], tmp_path, TIMEOUT_S, env)
-
-
-def _run_ok(
-    args: list[str], tmp_path: pathlib.Path, out: pathlib.Path, env: dict[str, str] | None = None
-) -> tuple[dict, str]:
-    result = _baguahvdrun(args, tmp_path, {**(env or {}), "OUT": str(out)})
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output
-    return torch.load(out, weights_only=False), output
+from tests.support.elastic_job import launch_training, run_training_ok
 
 
 @pytest.mark.parallel
 def test_killed_rank_resumes_from_last_commit_with_identical_weights(
     tmp_path: pathlib.Path,
 ) -> None:
-    reference, _ = _run_ok(["--elastic", "-np", "2"], tmp_path, tmp_path / "reference.pt")
+    reference, _ = run_training_ok(["--elastic", "-np", "2"], tmp_path, tmp_path / "reference.pt")
     # Step 9 is in the middle of the second epoch; the last commit before it is step 8.
-    killed, output = _run_ok(
+    killed, output = run_training_ok(
         [
             "--elastic",
             "-np",
@@ -142,13 +42,15 @@ def test_killed_rank_resumes_from_last_commit_with_identical_weights(
     assert killed["sizes"] == [2] * 18
     for name, tensor in reference["model"].items():
         assert torch.equal(tensor, killed["model"][name]), name
-    # The commits stay in the folder the user named, one file per host.
-    assert len(list((tmp_path / "commits").glob("commit-*.pt"))) == 1
+    # The commits stay in the folder the user named: the host's last two, with manifests.
+    assert len(list((tmp_path / "commits").glob("commit-*.pt"))) == 2
+    assert len(list((tmp_path / "commits").glob("commit-*.json"))) == 2
+    assert (tmp_path / "commits" / "finished.json").exists()
 
 
 @pytest.mark.parallel
 def test_killed_rank_without_restarts_left_fails_the_job(tmp_path: pathlib.Path) -> None:
-    result = _baguahvdrun(
+    result = launch_training(
         ["--elastic", "-np", "2", "--max-restarts", "0"],
         tmp_path,
         env={"KILL_RANK": "0", "KILL_STEP": "3", "OUT": str(tmp_path / "never.pt")},
@@ -166,7 +68,7 @@ def test_added_host_resizes_the_job_at_the_next_commit(tmp_path: pathlib.Path) -
     discover.chmod(0o755)
     # Growing at step 5: the next commit (step 6, end of epoch 0) stops the job, and the
     # relaunch runs the remaining 12 steps' worth of samples on three ranks.
-    grown, output = _run_ok(
+    grown, output = run_training_ok(
         ["--host-discovery-script", str(discover), "-np", "2", "--max-np", "3"],
         tmp_path,
         tmp_path / "grown.pt",

@@ -11,55 +11,16 @@ from __future__ import annotations
 import json
 import pathlib
 import re
-import textwrap
 import time
 
 import pytest
 
-from tests.support import jobs
-
-# A hang fails the test after this long; the jobs themselves end much sooner.
-HARD_TIMEOUT_S = 150
-# Startup of 2-3 ranks takes a few seconds, more on a loaded machine.
-STARTUP_SLACK_S = 30
-
-FAST_FAILURE = {
-    "HOROVOD_STALL_CHECK_TIME_SECONDS": "1",
-    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3",
-    "BAGUAHVD_EXIT_TIMEOUT_SECONDS": "3",
-}
-
-_PRELUDE = """
-import os
-import signal
-import sys
-import time
-
-import torch
-
-import baguahvd.torch as hvd
-from baguahvd.common.exceptions import PeerFailureError, StallError
-
-hvd.init()
-rank, size = hvd.rank(), hvd.size()
-for _ in range(3):  # the last two are answered from the response cache
-    hvd.allreduce(torch.ones(2), name="warmup")
-"""
-
-
-def _run(tmp_path: pathlib.Path, body: str, np: int, env: dict[str, str] | None = None,
-         ) -> tuple[int, list[str], float]:
-    """Runs the prelude and ``body`` on ``np`` ranks; returns the exit code, every rank's
-    log and the job's duration in seconds."""
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(_PRELUDE) + textwrap.dedent(body))
-    result = jobs.launch([str(script)], np, tmp_path, HARD_TIMEOUT_S, extra_env=env)
-    return result.returncode, result.logs, result.elapsed_s
-
-
-def _dump(logs: list[str]) -> str:
-    return jobs.format_logs(logs, tail=6000)
-
+from tests.support.failing_jobs import (
+    FAST_FAILURE,
+    STARTUP_SLACK_S,
+    joined_logs,
+    run_script,
+)
 
 # ---------------------------------------------------------------------------------------
 # Stalls
@@ -71,7 +32,7 @@ def test_a_rank_that_sleeps_past_the_stall_time_ends_the_job(
     tmp_path: pathlib.Path, cached: bool
 ) -> None:
     name = "warmup" if cached else "lonely"
-    code, logs, elapsed = _run(tmp_path, f"""
+    code, logs, elapsed = run_script(tmp_path, f"""
         if rank == 2:
             print("SLEEPING", flush=True)
             time.sleep(600)
@@ -81,7 +42,7 @@ def test_a_rank_that_sleeps_past_the_stall_time_ends_the_job(
             print(f"STALL_ERROR {{exc.missing}}", flush=True)
             raise
         """, np=3, env={**FAST_FAILURE, "HOROVOD_LOG_HIDE_TIME": "1"})
-    dump = _dump(logs)
+    dump = joined_logs(logs)
     assert code != 0, dump
     assert "SLEEPING" in logs[2], dump
     for r in (0, 1):
@@ -100,7 +61,7 @@ def test_a_rank_that_sleeps_past_the_stall_time_ends_the_job(
 
 @pytest.mark.parallel
 def test_mismatched_collectives_never_hang(tmp_path: pathlib.Path) -> None:
-    code, logs, elapsed = _run(tmp_path, """
+    code, logs, elapsed = run_script(tmp_path, """
         try:
             if rank == 0:
                 hvd.allreduce(torch.ones(2), name="only_rank_0")
@@ -110,7 +71,7 @@ def test_mismatched_collectives_never_hang(tmp_path: pathlib.Path) -> None:
             print(f"STALL_ERROR {sorted(exc.missing.items())}", flush=True)
             sys.exit(3)
         """, np=2, env=FAST_FAILURE)
-    dump = _dump(logs)
+    dump = joined_logs(logs)
     assert code != 0, dump
     expected = "STALL_ERROR [('allgather.only_rank_1', [0]), ('allreduce.only_rank_0', [1])]"
     assert expected in logs[0] and expected in logs[1], dump
@@ -126,7 +87,7 @@ def test_mismatched_collectives_never_hang(tmp_path: pathlib.Path) -> None:
 def test_an_exception_on_one_rank_reaches_the_others(
     tmp_path: pathlib.Path, failing: int
 ) -> None:
-    code, logs, elapsed = _run(tmp_path, f"""
+    code, logs, elapsed = run_script(tmp_path, f"""
         if rank == {failing}:
             time.sleep(0.5)  # the others are waiting in the allreduce by now
             raise ValueError("bad batch 42")
@@ -141,7 +102,7 @@ def test_an_exception_on_one_rank_reaches_the_others(
         except PeerFailureError as exc:
             print(f"LATER rank={{exc.rank}}", flush=True)
         """, np=3, env=FAST_FAILURE)
-    dump = _dump(logs)
+    dump = joined_logs(logs)
     assert code != 0, dump
     assert "ValueError: bad batch 42" in logs[failing], dump
     for r in range(3):
@@ -176,9 +137,9 @@ def test_a_killed_rank_ends_the_job_in_bounded_time(
     if who_ends_it == "watchdog":
         # Keep Open MPI's launcher from ending the job itself: the survivors must.
         env["PRTE_MCA_state_base_recoverable"] = "1"
-    code, logs, elapsed = _run(tmp_path, _KILLED, np=3, env=env)
+    code, logs, elapsed = run_script(tmp_path, _KILLED, np=3, env=env)
     ended = time.time()
-    dump = _dump(logs)
+    dump = joined_logs(logs)
     match = re.search(r"KILLED_AT (\d+\.\d+)", logs[1])
     assert match, dump
     death_to_end = ended - float(match.group(1))
@@ -197,7 +158,7 @@ def test_a_killed_rank_ends_the_job_in_bounded_time(
 @pytest.mark.parallel
 def test_a_frozen_rank_times_out(tmp_path: pathlib.Path) -> None:
     env = {**FAST_FAILURE, "BAGUAHVD_PEER_TIMEOUT_SECONDS": "3"}
-    code, logs, elapsed = _run(tmp_path, """
+    code, logs, elapsed = run_script(tmp_path, """
         if rank == 1:
             print("FREEZING", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -207,7 +168,7 @@ def test_a_frozen_rank_times_out(tmp_path: pathlib.Path) -> None:
             print(f"PEER_FAILURE rank={exc.rank} reason={exc.reason}", flush=True)
             raise
         """, np=2, env=env)
-    dump = _dump(logs)
+    dump = joined_logs(logs)
     assert code != 0, dump
     assert "PEER_FAILURE rank=-1 reason=no negotiation cycle completed for 3 s" in logs[0], dump
     assert elapsed < 3 + STARTUP_SLACK_S, dump
@@ -220,7 +181,7 @@ def test_an_engine_bug_does_not_leave_peers_hanging(
 ) -> None:
     # Between cycles: admitting a request; mid-cycle: fusing what the ranks agreed on.
     method = "_admit" if where == "between_cycles" else "_fuse"
-    code, logs, elapsed = _run(tmp_path, f"""
+    code, logs, elapsed = run_script(tmp_path, f"""
         from baguahvd.engine.engine import Engine
 
         original = Engine.{method}
@@ -239,7 +200,7 @@ def test_an_engine_bug_does_not_leave_peers_hanging(
             print(f"PEER_FAILURE rank={{exc.rank}} reason={{exc.reason}}", flush=True)
             raise
         """, np=2, env=FAST_FAILURE)
-    dump = _dump(logs)
+    dump = joined_logs(logs)
     assert code != 0, dump
     assert "the engine stopped after an internal error" in logs[1], dump
     assert "RuntimeError: injected engine bug" in logs[1], dump
@@ -292,9 +253,9 @@ except PeerFailureError as exc:
 def test_a_collective_that_fails_on_one_rank_fails_on_every_rank(
     tmp_path: pathlib.Path, where: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, logs, elapsed = _run(tmp_path, _FAILS_LOCALLY.format(where=where), np=2,
+    code, logs, elapsed = run_script(tmp_path, _FAILS_LOCALLY.format(where=where), np=2,
                                env=FAST_FAILURE)
-    dump = _dump(logs)
+    dump = joined_logs(logs)
     assert code != 0, dump
     text = ("no room for a fusion buffer of 24 elements" if where == "fusion_buffer"
             else "no room for the allgather output")
@@ -322,9 +283,9 @@ def test_without_mpi_threads_a_failing_collective_still_ends_the_job(
     # Rank 0's engine thread waits inside MPI_Allreduce, and MPI lets no other thread in to
     # hear rank 1's alarm: rank 1 ends the job after BAGUAHVD_EXIT_TIMEOUT_SECONDS.
     env = {**FAST_FAILURE, "HOROVOD_MPI_THREADS_DISABLE": "1"}
-    code, logs, elapsed = _run(tmp_path, _FAILS_LOCALLY.format(where="fusion_buffer"), np=2,
+    code, logs, elapsed = run_script(tmp_path, _FAILS_LOCALLY.format(where="fusion_buffer"), np=2,
                                env=env)
-    dump = _dump(logs)
+    dump = joined_logs(logs)
     assert code != 0, dump
     assert "PEER_FAILURE" in logs[1] and "no room for a fusion buffer" in logs[1], dump
     assert "ending the job with MPI_Abort: ranks [0] did not acknowledge this rank's " \
@@ -339,7 +300,7 @@ def test_without_mpi_threads_a_failing_collective_still_ends_the_job(
 @pytest.mark.parallel
 def test_the_timeline_of_a_killed_job_still_parses(tmp_path: pathlib.Path) -> None:
     timeline = tmp_path / "timeline.json"
-    code, logs, _ = _run(tmp_path, """
+    code, logs, _ = run_script(tmp_path, """
         for step in range(5):
             hvd.allreduce(torch.ones(4), name="before_kill")
         hvd.barrier()
@@ -348,7 +309,7 @@ def test_the_timeline_of_a_killed_job_still_parses(tmp_path: pathlib.Path) -> No
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
         """, np=2, env={"HOROVOD_TIMELINE": str(timeline)})
-    dump = _dump(logs)
+    dump = joined_logs(logs)
     assert code != 0, dump
     text = timeline.read_text().rstrip()
     # Chrome's trace viewer accepts an array without its closing bracket; so do we.
@@ -363,13 +324,13 @@ def test_the_timeline_of_a_killed_job_still_parses(tmp_path: pathlib.Path) -> No
 
 @pytest.mark.parallel
 def test_a_job_ended_by_a_stall_exits_non_zero_even_when_caught(tmp_path: pathlib.Path) -> None:
-    code, logs, elapsed = _run(tmp_path, """
+    code, logs, elapsed = run_script(tmp_path, """
         try:
             hvd.allreduce(torch.ones(2), name=f"only_rank_{rank}")
         except StallError:
             print("CAUGHT", flush=True)
         """, np=3, env=FAST_FAILURE)
-    dump = _dump(logs)
+    dump = joined_logs(logs)
     assert code == 1, dump
     for r in range(3):
         assert "CAUGHT" in logs[r], dump

@@ -7,6 +7,8 @@ must hold rank 0's, which the test rebuilds locally.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import tempfile
 from collections.abc import Iterator
 
@@ -17,6 +19,7 @@ import baguahvd.algorithms as hvd_algorithms
 import baguahvd.torch as hvd
 from baguahvd.common.exceptions import HostsUpdatedInterrupt
 from baguahvd.runtime.state import runtime
+from baguahvd.torch.elastic.base import FinishedJobError
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -162,6 +165,8 @@ def test_run_resumes_and_calls_reset_callbacks(rank: int, elastic_dir: str) -> N
 
     first(state)
     calls: list[int] = []
+    # A relaunch of the same job resumes even though the first run finished.
+    runtime.config = dataclasses.replace(runtime.config, elastic_restart=1)
     fresh = _state(rank + 20)
     fresh.register_reset_callbacks([lambda: calls.append(hvd.size())])
 
@@ -234,3 +239,55 @@ def test_a_second_run_of_the_same_state_continues_from_memory(rank: int, elastic
     assert train(state, 1) == 101
     # Another call in the same process does not go back to the folder's commit.
     assert train(state, 1) == 202
+
+
+def _finished_run(rank: int) -> hvd.elastic.TorchState:
+    state = _state(rank)
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> None:
+        state.epoch = 41
+        state.commit()
+
+    train(state)
+    hvd.barrier()
+    return state
+
+
+def test_a_new_run_on_a_finished_job_starts_afresh(rank: int, elastic_dir: str) -> None:
+    _finished_run(rank)
+    assert os.path.exists(os.path.join(elastic_dir, "finished.json"))
+    assert os.path.exists(os.path.join(elastic_dir, "training.started"))
+    with open(os.path.join(elastic_dir, "job.json")) as stream:
+        old_job = json.load(stream)["job_id"]
+    hvd.barrier()
+    fresh = _state(rank + 20)
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> int:
+        return state.epoch
+
+    assert train(fresh) == 20  # rank 0's initial value, not the finished job's 41
+    hvd.barrier()
+    # A new job: the finished one's commits are gone, and the new one finished in turn.
+    with open(os.path.join(elastic_dir, "finished.json")) as stream:
+        finished = json.load(stream)
+    assert finished["job_id"] != old_job and finished["commit"] == 0
+    assert not [name for name in os.listdir(elastic_dir) if name.startswith("commit-")]
+
+
+@pytest.mark.parametrize("policy", ["resume", "refuse"])
+def test_the_finished_job_switch(rank: int, elastic_dir: str, policy: str) -> None:
+    _finished_run(rank)
+    runtime.config = dataclasses.replace(runtime.config, elastic_finished=policy)
+    fresh = _state(rank + 20)
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> int:
+        return state.epoch
+
+    if policy == "resume":
+        assert train(fresh) == 41
+    else:
+        with pytest.raises(FinishedJobError, match="finished training"):
+            train(fresh)

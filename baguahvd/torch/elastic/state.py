@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from baguahvd.runtime.state import runtime
+from baguahvd.torch.averaging import average_tree, keeps_replicas
 from baguahvd.torch.elastic.base import HostUpdateResult, ObjectState
 from baguahvd.torch.elastic.sampler import ElasticSampler
 from baguahvd.torch.functions import (
@@ -229,6 +230,15 @@ class TorchState(ObjectState):
             if impl is not None and hasattr(impl, "running"):
                 found.append(impl)
         return found
+
+    def _average_replicas(self) -> None:
+        # Every rank trains its own replica under a weight-averaging algorithm: a commit of
+        # rank 0's would drop the others' progress, so commit their average instead.
+        if not any(keeps_replicas(h.value) for h in self._handlers.values()):
+            return
+        for name, handler in self._handlers.items():
+            if isinstance(handler, (ModelStateHandler, OptimizerStateHandler)):
+                handler._saved = average_tree(handler._saved, f"elastic.average.{name}")
 
     def reset(self) -> None:
         """Re-splits the samplers over the current ranks."""

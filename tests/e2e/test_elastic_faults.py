@@ -1,0 +1,341 @@
+"""Faults injected into elastic commits, each with the guarantee it must keep.
+
+* kill -9 at random moments of commit writes: the newest intact commit loads afterwards, no
+  completed commit is lost, and what loads is exactly what was committed;
+* truncated, altered (4 KB overwritten) and planted files: refused with the file named,
+  the newest intact commit is used, and a planted pickle never runs;
+* a full disk (``ENOSPC`` at each write of a commit): the write fails with the error, and
+  the previous commit stays whole;
+* SIGSTOP of a rank in an elastic job: the job ends with the peer/stall error instead of
+  hanging, and its last commit stays intact;
+* end to end under ``baguahvdrun --elastic``: a damaged newest commit is refused and the
+  job resumes from the one before, ending with exactly the weights of an undisturbed run.
+
+Every test adds to :data:`FIGURES`, printed at the end of the module (``-s``); README's
+elastic section quotes them.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import logging
+import multiprocessing
+import os
+import pathlib
+import pickle
+import random
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from baguahvd.torch.elastic.base import CheckpointStore, CommitError
+from tests.support.elastic_job import launch_training, run_training_ok
+from tests.support.failing_jobs import FAST_FAILURE, STARTUP_SLACK_S, joined_logs, run_script
+
+FIGURES: Counter[str] = Counter()
+KILLS = 40
+TENSOR_ELEMENTS = 1 << 20  # 4 MB payloads: a write takes long enough to be hit
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report() -> Iterator[None]:
+    yield
+    print(
+        "\nelastic faults: "
+        + ", ".join(f"{key} {value}" for key, value in sorted(FIGURES.items()))
+    )
+
+
+# Built before any fork: a forked child must not start torch's thread pool (it can hang).
+_BASE = torch.arange(TENSOR_ELEMENTS, dtype=torch.float32)
+
+
+def _payload(number: int) -> dict[str, Any]:
+    return {"n": number, "tag": torch.tensor([float(number)]), "w": _BASE}
+
+
+def _check_payload(number: int, payload: dict[str, Any]) -> None:
+    assert payload["n"] == number and payload["tag"].item() == number
+    assert torch.equal(payload["w"], _BASE)
+
+
+def _writer(folder: str, start: int, done: Any) -> None:
+    store = CheckpointStore(folder, host="node-a")
+    number = start
+    done.send(-1)  # ready
+    while True:
+        number += 1
+        store.write(number, _payload(number))
+        done.send(number)
+
+
+def test_kill_9_at_random_moments_of_commit_writes(tmp_path: pathlib.Path) -> None:
+    context = multiprocessing.get_context("fork")
+    chooser = random.Random(13)
+    folder = str(tmp_path)
+    CheckpointStore(folder, host="node-a").write(0, _payload(0))
+    completed = 0
+    lost = 0
+    for _ in range(KILLS):
+        receiver, sender = context.Pipe(duplex=False)
+        child = context.Process(target=_writer, args=(folder, completed, sender), daemon=True)
+        child.start()
+        sender.close()
+        assert receiver.poll(60) and receiver.recv() == -1
+        time.sleep(chooser.uniform(0.0, 0.15))
+        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        child.join()
+        while receiver.poll():
+            try:
+                completed = max(completed, receiver.recv())
+            except EOFError:
+                break
+        receiver.close()
+        FIGURES["faults injected"] += 1
+        number, payload = CheckpointStore(folder, host="reader").load_newest()
+        # Every commit whose write returned is there; the one being written may be too.
+        assert number in (completed, completed + 1), (number, completed)
+        _check_payload(number, payload)
+        FIGURES["resumed"] += 1
+        lost += completed - number if number < completed else 0
+        completed = max(completed, number)
+    assert lost == 0
+    # One more commit clears what the killed writers left behind.
+    store = CheckpointStore(folder, host="node-a")
+    store.write(completed + 1, _payload(completed + 1))
+    assert len(os.listdir(folder)) == 5, os.listdir(folder)  # job.json, two commits
+    FIGURES["completed commits lost"] += lost
+    FIGURES["wrong results"] += 0
+    assert completed > 0  # the kills did let writes finish in between
+
+
+def _two_commits(folder: pathlib.Path) -> CheckpointStore:
+    store = CheckpointStore(str(folder), host="node-a")
+    store.write(1, {"w": torch.zeros(4096)})
+    store.write(2, {"w": torch.ones(4096)})
+    return store
+
+
+def _damage_truncate(path: pathlib.Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _damage_overwrite(path: pathlib.Path) -> None:
+    """Overwrites 4 KB in the middle (all of a smaller file), as a bad disk block would."""
+    data = bytearray(path.read_bytes())
+    start = max(0, len(data) // 2 - 2048)
+    end = min(len(data), start + 4096)
+    data[start:end] = random.Random(5).randbytes(end - start)
+    path.write_bytes(bytes(data))
+
+
+def _damage_manifest(path: pathlib.Path) -> None:
+    manifest = path.with_suffix(".json")
+    manifest.write_text(manifest.read_text()[:40])
+
+
+def _damage_manifest_number(path: pathlib.Path) -> None:
+    manifest = path.with_suffix(".json")
+    record = json.loads(manifest.read_text())
+    record["commit"] = 7
+    manifest.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (_damage_truncate, "bytes, its manifest says"),
+        (_damage_overwrite, "SHA-256 differs"),
+        (_damage_manifest, "not a commit manifest|unreadable"),
+        (_damage_manifest_number, "does not match its name"),
+    ],
+    ids=["truncated", "4KB-overwritten", "manifest-cut", "manifest-renumbered"],
+)
+def test_a_damaged_commit_is_refused_and_the_previous_one_loads(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture, damage: Any, reason: str
+) -> None:
+    store = _two_commits(tmp_path)
+    newest = tmp_path / "commit-2.node-a.pt"
+    damage(newest)
+    FIGURES["faults injected"] += 1
+    with pytest.raises(CommitError, match=reason) as refused:
+        store.read(2)
+    assert "commit-2.node-a" in str(refused.value)
+    with caplog.at_level(logging.WARNING):
+        number, payload = CheckpointStore(str(tmp_path), host="reader").load_newest()
+    assert number == 1 and torch.equal(payload["w"], torch.zeros(4096))
+    assert "commit-2.node-a" in caplog.text
+    assert any(part in caplog.text for part in reason.split("|"))
+    FIGURES["resumed"] += 1
+    FIGURES["commits lost to damage"] += 1
+
+
+class _Trap:
+    """Unpickling this creates ``path``: what a planted commit could do instead."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("forged_manifest", [False, True], ids=["bare", "forged-manifest"])
+def test_a_planted_pickle_never_runs(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture, forged_manifest: bool
+) -> None:
+    folder = tmp_path / "commits"
+    store = _two_commits(folder)
+    sentinel = tmp_path / "pwned"
+    buffer = io.BytesIO()
+    torch.save({"w": _Trap(str(sentinel))}, buffer)
+    planted = buffer.getvalue()
+    (folder / "commit-99.node-a.pt").write_bytes(planted)
+    (folder / "evil.pt").write_bytes(planted)
+    if forged_manifest:
+        # Whoever can write the folder can also compute a checksum: the safe load is what
+        # stops the payload.
+        import hashlib
+
+        (folder / "commit-99.node-a.json").write_text(json.dumps({
+            "format": 2, "job_id": store.job_id, "host": "node-a", "commit": 99,
+            "payload": "commit-99.node-a.pt", "bytes": len(planted),
+            "sha256": hashlib.sha256(planted).hexdigest(),
+        }))
+    FIGURES["faults injected"] += 1
+    with caplog.at_level(logging.WARNING):
+        number, payload = CheckpointStore(str(folder), host="reader").load_newest()
+    assert number == 2 and torch.equal(payload["w"], torch.ones(4096))
+    assert not sentinel.exists()
+    assert "evil.pt" in caplog.text
+    if forged_manifest:
+        assert "holds more than tensors and plain values" in caplog.text
+        with pytest.raises(CommitError, match="commit-99.node-a.pt"):
+            store.read(99)
+    else:
+        assert "commit-99.node-a.pt: no manifest" in caplog.text
+    assert not sentinel.exists()
+    FIGURES["resumed"] += 1
+    # The planted file is a real threat: an unsafe load would have run it.
+    pickle.loads(pickle.dumps(_Trap(str(sentinel))))
+    assert sentinel.exists()
+
+
+@pytest.mark.parametrize("failing_write", [1, 2, 3])
+def test_a_full_disk_fails_the_commit_and_keeps_the_previous_one(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, failing_write: int
+) -> None:
+    store = _two_commits(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    real_write = os.write
+    calls = [0]
+
+    def full_disk(descriptor: int, data: Any) -> int:
+        calls[0] += 1
+        if calls[0] >= failing_write:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        # Short writes, as a nearly full disk gives them.
+        return real_write(descriptor, bytes(data)[: max(1, len(data) // 2)])
+
+    monkeypatch.setattr(os, "write", full_disk)
+    FIGURES["faults injected"] += 1
+    with pytest.raises(OSError) as failed:
+        store.write(3, {"w": torch.full((4096,), 3.0)})
+    monkeypatch.setattr(os, "write", real_write)
+    assert failed.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no partial file left
+    number, payload = store.load_newest()
+    assert number == 2 and torch.equal(payload["w"], torch.ones(4096))
+    FIGURES["resumed"] += 1
+    store.write(3, {"w": torch.full((4096,), 3.0)})  # space again: commits go on
+    assert store.load_newest()[0] == 3
+
+
+_STOPPED_RANK = """
+import dataclasses
+from baguahvd.runtime.state import runtime
+
+folder = os.environ["FOLDER"]
+runtime.config = dataclasses.replace(runtime.config, elastic_dir=folder)
+model = torch.nn.Linear(4, 2)
+state = hvd.elastic.TorchState(model, None, step=0)
+
+
+@hvd.elastic.run
+def train(state):
+    while True:
+        state.step += 1
+        hvd.allreduce(torch.ones(2), name="work")
+        state.commit()
+        if state.step == 3 and rank == 1:
+            print("STOPPING", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+try:
+    train(state)
+except (PeerFailureError, StallError) as exc:
+    print(f"ENDED {type(exc).__name__}", flush=True)
+    raise
+"""
+
+
+@pytest.mark.parallel
+def test_a_stopped_rank_ends_the_job_with_an_error_not_a_hang(tmp_path: pathlib.Path) -> None:
+    folder = tmp_path / "commits"
+    env = {**FAST_FAILURE, "BAGUAHVD_PEER_TIMEOUT_SECONDS": "3", "FOLDER": str(folder)}
+    code, logs, elapsed = run_script(tmp_path, _STOPPED_RANK, np=2, env=env)
+    dump = joined_logs(logs)
+    FIGURES["faults injected"] += 1
+    assert code != 0, dump
+    assert "STOPPING" in logs[1], dump
+    assert "ENDED PeerFailureError" in logs[0] or "ENDED StallError" in logs[0], dump
+    assert elapsed < 3 + STARTUP_SLACK_S, dump
+    number, payload = CheckpointStore(str(folder), host="reader").load_newest()
+    assert number >= 3 and payload["objects"]["step"] == number, dump
+    FIGURES["resumed"] += 1
+
+
+@pytest.mark.parallel
+def test_a_job_resumes_past_a_damaged_commit_with_exact_weights(tmp_path: pathlib.Path) -> None:
+    reference, _ = run_training_ok(["--elastic", "-np", "2"], tmp_path, tmp_path / "reference.pt")
+    folder = tmp_path / "commits"
+    args = ["--elastic", "-np", "2", "--checkpoint-dir", str(folder)]
+    # Killed at step 9 with no restart left: commits 2 (step 6) and 3 (step 8) remain.
+    failed = launch_training(
+        [*args, "--max-restarts", "0"],
+        tmp_path,
+        {"KILL_RANK": "1", "KILL_STEP": "9", "OUT": str(tmp_path / "never.pt")},
+    )
+    assert failed.returncode != 0
+    newest = sorted(folder.glob("commit-3.*.pt"))
+    assert len(newest) == 1, sorted(folder.iterdir())
+    _damage_overwrite(newest[0])
+    FIGURES["faults injected"] += 1
+    resumed, output = run_training_ok(args, tmp_path, tmp_path / "resumed.pt")
+    assert f"{newest[0]} is damaged" in output, output
+    assert "launch 0: rank 1 of 2 starts at step 6" in output, output
+    for name, tensor in reference["model"].items():
+        assert torch.equal(tensor, resumed["model"][name]), name
+    FIGURES["resumed"] += 1
+    FIGURES["steps redone"] += 8 - 6
+
+
+@pytest.mark.parallel
+def test_a_rerun_on_a_finished_folder_trains_again(tmp_path: pathlib.Path) -> None:
+    args = ["--elastic", "-np", "2", "--checkpoint-dir", str(tmp_path / "commits")]
+    first, _ = run_training_ok(args, tmp_path, tmp_path / "first.pt")
+    second, output = run_training_ok(args, tmp_path, tmp_path / "second.pt")
+    assert "finished training at commit" in output and "starting afresh" in output, output
+    assert "launch 0: rank 0 of 2 starts at step 0" in output, output
+    assert first["steps"] == second["steps"] == 18
+    for name, tensor in first["model"].items():
+        assert torch.equal(tensor, second["model"][name]), name

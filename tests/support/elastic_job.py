@@ -1,0 +1,116 @@
+"""The elastic training script of the end-to-end elastic suites, and how to launch it.
+
+A small deterministic model trained under ``baguahvdrun --elastic`` with commits, that can
+kill one of its ranks at a given step (``KILL_RANK``, ``KILL_STEP``) or ask for a bigger job
+(``GROW_AT_STEP``), and saves its final weights to ``OUT``. Used by
+``tests/e2e/test_elastic.py`` and ``tests/e2e/test_elastic_faults.py``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import torch
+
+from tests.support import jobs
+
+TIMEOUT_S = 240
+
+# 96 samples, 8 per rank per batch, 2 ranks: 6 steps an epoch. Commits every 4 steps and at
+# the end of every epoch. Uses only deterministic operations, so two runs agree bit for bit.
+TRAIN = """
+import os
+import signal
+import time
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import baguahvd.torch as hvd
+
+EPOCHS, BATCH, COMMIT_EVERY = 3, 8, 4
+KILL_RANK = int(os.environ.get("KILL_RANK", "-1"))
+KILL_STEP = int(os.environ.get("KILL_STEP", "-1"))
+GROW_AT_STEP = int(os.environ.get("GROW_AT_STEP", "-1"))
+OUT = os.environ["OUT"]
+
+hvd.init()
+launch = int(os.environ.get("BAGUAHVD_ELASTIC_RESTART", "0"))
+torch.manual_seed(0)
+generator = torch.Generator().manual_seed(1)
+x = torch.randn(96, 8, generator=generator)
+y = x @ torch.randn(8, 1, generator=generator) + 0.1 * torch.randn(96, 1, generator=generator)
+dataset = TensorDataset(x, y)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=3)
+loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
+state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, steps=0, sizes=[])
+
+
+def scale_lr():
+    for group in optimizer.param_groups:
+        group["lr"] = 0.01 * hvd.size()
+
+
+state.register_reset_callbacks([scale_lr])
+scale_lr()
+
+
+@hvd.elastic.run
+def train(state):
+    print(f"launch {launch}: rank {hvd.rank()} of {hvd.size()} starts at step {state.steps}",
+          flush=True)
+    while state.epoch < EPOCHS:
+        for batch_idx, (data, target) in enumerate(loader):
+            if launch == 0 and hvd.rank() == KILL_RANK and state.steps == KILL_STEP:
+                print(f"killing rank {hvd.rank()} at step {state.steps}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if launch == 0 and hvd.rank() == 0 and state.steps == GROW_AT_STEP:
+                with open(os.environ["DISCOVERED"], "w") as hosts:
+                    hosts.write("localhost:3\\n")
+                notice = os.path.join(os.environ["BAGUAHVD_ELASTIC_DIR"], "hosts.json")
+                deadline = time.monotonic() + 60
+                while not os.path.exists(notice) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(data), target).backward()
+            optimizer.step()
+            state.steps += 1
+            state.sizes.append(hvd.size())
+            sampler.record_batch(batch_idx, BATCH)
+            if state.steps % COMMIT_EVERY == 0:
+                state.commit()
+        state.epoch += 1
+        sampler.set_epoch(state.epoch)
+        state.commit()
+
+
+train(state)
+if hvd.rank() == 0:
+    torch.save({"model": model.state_dict(), "steps": state.steps, "sizes": state.sizes,
+                "lr": optimizer.param_groups[0]["lr"]}, OUT)
+print(f"launch {launch}: rank {hvd.rank()} finished after {state.steps} steps", flush=True)
+"""
+
+
+def launch_training(
+    args: list[str], tmp_path: pathlib.Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(TRAIN))
+    return jobs.run_launcher([*args, sys.executable, str(script)], tmp_path, TIMEOUT_S, env)
+
+
+def run_training_ok(
+    args: list[str], tmp_path: pathlib.Path, out: pathlib.Path, env: dict[str, str] | None = None
+) -> tuple[dict[str, Any], str]:
+    result = launch_training(args, tmp_path, {**(env or {}), "OUT": str(out)})
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    return torch.load(out, weights_only=False), output
