@@ -22,7 +22,7 @@ in a loop, and every rank resumes from the state the job last committed.
   commit). When two launches in a row fail that way with the same error, relaunching cannot
   help, so the launcher ends the job with that error.
 
-The ranks own the rest of the folder (see :mod:`baguahvd.torch.elastic.base`):
+The ranks own the rest of the folder (see :mod:`baguahvd.torch.elastic.store`):
 
 * :data:`JOB_FILE` names the job: JSON ``{"job_id": "<32 hex digits>", "format": 2}``,
   created once, with ``O_CREAT | O_EXCL``, by the first rank that finds none, so exactly one

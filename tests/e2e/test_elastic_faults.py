@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 
-from baguahvd.torch.elastic.base import CheckpointStore, CommitError
+from baguahvd.torch.elastic.store import CheckpointStore, CommitError
 from tests.support.elastic_job import launch_training, run_training_ok
 from tests.support.failing_jobs import FAST_FAILURE, STARTUP_SLACK_S, joined_logs, run_script
 

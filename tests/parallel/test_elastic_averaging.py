@@ -13,7 +13,7 @@ import torch
 import baguahvd.algorithms as hvd_algorithms
 import baguahvd.torch as hvd
 from baguahvd.runtime.state import runtime
-from baguahvd.torch.elastic.base import CheckpointStore
+from baguahvd.torch.elastic.store import CheckpointStore
 
 
 def _model(seed: int) -> torch.nn.Module:

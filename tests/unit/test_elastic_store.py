@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from baguahvd.common.config import Config
-from baguahvd.torch.elastic.base import CheckpointStore, CommitError, HostUpdateResult
+from baguahvd.torch.elastic.store import CheckpointStore, CommitError, HostUpdateResult
 
 
 def _names(folder: pathlib.Path) -> list[str]:
@@ -204,7 +204,7 @@ def test_an_unknown_finished_job_setting_is_refused() -> None:
 def test_a_damaged_job_file_is_refused_naming_it(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("baguahvd.torch.elastic.base._JOB_FILE_WAIT_S", 0.1)
+    monkeypatch.setattr("baguahvd.torch.elastic.store._JOB_FILE_WAIT_S", 0.1)
     (tmp_path / "job.json").write_text("{not json")
     with pytest.raises(CommitError, match=f"{tmp_path / 'job.json'} does not name a baguahvd job"):
         CheckpointStore(str(tmp_path)).newest()
