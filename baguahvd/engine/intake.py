@@ -4,7 +4,10 @@ A user thread turns a call into a :class:`~baguahvd.engine.requests.Request` (it
 :class:`~baguahvd.engine.messages.RequestMeta` names it: named requests by
 ``label.name``, unnamed ones by their order per process set, ``noname.N``) and appends it to
 the queue; a name may be in flight once at a time. The engine thread takes the whole queue
-at the start of a cycle.
+at the start of a cycle. A placeholder (a collective that failed its local checks, see
+:mod:`~baguahvd.engine.messages`) holds its name like any request, but a request of the same
+name submitted meanwhile (the call retried after the error) is not a duplicate: it waits in
+the intake until the placeholder is done, and is queued then, as the name's next round.
 
 A burst of submissions (a backward pass, a loop of async calls) is negotiated as one: the
 engine waits until a thread blocks on a handle (the burst is over: it submits nothing more
@@ -47,6 +50,10 @@ class RequestQueue:
         """Set when a thread blocks on a handle: the burst being submitted is over."""
         self._queue: list[Request] = []
         self._inflight: set[tuple[int, str]] = set()
+        self._placeholders: set[tuple[int, str]] = set()
+        """Names in flight whose request is a placeholder."""
+        self._deferred: dict[tuple[int, str], Request] = {}
+        """Requests waiting for a placeholder of their name to be done."""
         self._noname: dict[int, int] = {}
         self._last_arrival = 0.0
 
@@ -134,9 +141,19 @@ class RequestQueue:
             error = stopped()
             if error is not None:
                 raise error
-            if request.ident in self._inflight:
-                raise DuplicateNameError(request.meta.name)
-            self._inflight.add(request.ident)
+            ident = request.ident
+            if ident in self._inflight:
+                if (
+                    ident not in self._placeholders
+                    or ident in self._deferred
+                    or request.meta.failure
+                ):
+                    raise DuplicateNameError(request.meta.name)
+                self._deferred[ident] = request
+                return
+            self._inflight.add(ident)
+            if request.meta.failure:
+                self._placeholders.add(ident)
             queue = self._queue
             queue.append(request)
             self._last_arrival = time.perf_counter()
@@ -158,12 +175,30 @@ class RequestQueue:
             discard = self._inflight.discard
             for request in requests:
                 discard(request.ident)
+            if self._placeholders:
+                self._release_deferred(requests)
+
+    def _release_deferred(self, requests: Sequence[Request]) -> None:
+        """Queues the requests that waited for the finished placeholders among ``requests``
+        (lock held)."""
+        for request in requests:
+            if request.ident not in self._placeholders:
+                continue
+            self._placeholders.discard(request.ident)
+            deferred = self._deferred.pop(request.ident, None)
+            if deferred is not None:
+                self._inflight.add(deferred.ident)
+                self._queue.append(deferred)
+                self._last_arrival = time.perf_counter()
+                self.wake.set()
 
     def drain(self) -> list[Request]:
         """Takes every queued request and forgets every name in flight (the engine stops)."""
         with self.lock:
-            queued, self._queue = self._queue, []
+            queued, self._queue = [*self._queue, *self._deferred.values()], []
             self._inflight.clear()
+            self._placeholders.clear()
+            self._deferred.clear()
         return queued
 
     def wake_up(self) -> None:
