@@ -102,7 +102,7 @@ class Engine:
         self.size = control.size
         self._registry = ProcessSetRegistry(self.rank, self.size, control)
         self.process_sets = self._registry.states
-        self._queue = RequestQueue(self.rank)
+        self._queue = RequestQueue(self.rank, config.check_call_sites)
         self._lifecycle = Lifecycle(
             self.rank, self.size, control, config.exit_timeout_s, self._fail_everything
         )

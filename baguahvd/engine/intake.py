@@ -13,10 +13,16 @@ A burst of submissions (a backward pass, a loop of async calls) is negotiated as
 engine waits until a thread blocks on a handle (the burst is over: it submits nothing more
 meanwhile), or nothing has been submitted for half a millisecond, or five cycle times have
 passed (see :meth:`RequestQueue.let_burst_finish`).
+
+With ``BAGUAHVD_CHECK_CALL_SITES`` an unnamed request also records where the user called it
+(:func:`call_site`), so that rank 0 can tell ranks that pair unnamed collectives from
+different lines.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,12 +43,31 @@ BURST_CYCLES = 5
 
 _DTYPE_NAMES = {dtype: name for name, dtype in execute.DTYPES.items()}
 
+# Frames in these folders are the library's, not the user's call.
+_LIBRARY_DIRS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+)
+
+
+def call_site() -> str:
+    """``file:line`` of the innermost frame outside baguahvd and torch: the user's call."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_LIBRARY_DIRS):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "<unknown>"
+
 
 class RequestQueue:
     """The queue between user threads and the engine thread (see module docstring)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, check_sites: bool = False) -> None:
         self.rank = rank
+        self.check_sites = check_sites
+        """Record the call site of each unnamed request (BAGUAHVD_CHECK_CALL_SITES)."""
         self.lock = threading.Lock()
         self.wake = threading.Event()
         """Set when there is something for the engine thread to do."""
@@ -88,11 +113,14 @@ class RequestQueue:
         payload: Sequence[int],
     ) -> Request:
         """The request of one call (see :meth:`~baguahvd.engine.engine.Engine.submit`)."""
+        site = ""
         if name is not None and op != OpType.JOIN:
             key = display = f"{label}.{name}"
         elif op == OpType.JOIN:
             key = display = JOIN_KEY
         else:
+            if self.check_sites:
+                site = call_site()
             with self.lock:
                 count = self._noname.get(process_set_id, 0)
                 self._noname[process_set_id] = count + 1
@@ -125,6 +153,8 @@ class RequestQueue:
             root,
             None if splits is None else tuple(int(s) for s in splits),
             tuple(payload),
+            "",
+            site,
         )
         return Request(meta, inputs, outputs)
 

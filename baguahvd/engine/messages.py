@@ -8,7 +8,8 @@ A request may be a placeholder: the collective failed its local checks on its ra
 raised the error at once and still submitted the request (no tensors, ``failure`` set), so
 that the other ranks' matching collective fails with that reason instead of pairing with the
 rank's next one. Any placeholder among the requests makes the response an error, checked
-before anything else.
+before anything else; so does a disagreement of call sites (``site``, recorded for unnamed
+requests when ``BAGUAHVD_CHECK_CALL_SITES`` is set).
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class RequestMeta(NamedTuple):
     """A placeholder's reason (``Type: message``): the collective failed its local checks on
     this rank. Never empty in a request that carries tensors, so a placeholder never matches
     a cached signature: it invalidates the entry of its name instead of hitting it."""
+    site: str = ""
+    """``file:line`` of the user's call, for unnamed requests with BAGUAHVD_CHECK_CALL_SITES."""
 
     def signature(self) -> tuple[object, ...]:
         """Everything that must match for a cached response to be reused by this rank: the
@@ -121,6 +124,22 @@ def _describe_local_failures(metas: Sequence[RequestMeta]) -> str | None:
         f"rank {meta.rank} failed its local checks: {meta.failure}" for meta in failed
     )
     return f"{metas[0].name}: {reasons}"
+
+
+def _describe_site_mismatch(metas: Sequence[RequestMeta]) -> str | None:
+    """Names the first two ranks that submitted an unnamed collective from different call
+    sites, or returns None (requests without a site are not compared)."""
+    placed = [meta for meta in metas if meta.site]
+    for meta in placed[1:]:
+        if meta.site != placed[0].site:
+            return (
+                f"{placed[0].name}: ranks paired unnamed collectives from different call "
+                f"sites: rank {placed[0].rank} called {placed[0].name} at {placed[0].site}, "
+                f"but rank {meta.rank} called {meta.name} at {meta.site}. Unnamed "
+                "collectives pair by their order on each rank: give them names, or make "
+                "every rank call them in the same order."
+            )
+    return None
 
 
 def _describe_first_mismatch(
@@ -236,6 +255,7 @@ def build_response(
     base = dict(key=first.key, name=first.name, op=first.op, process_set_id=first.process_set_id)
     error = (
         _describe_local_failures(metas)
+        or _describe_site_mismatch(metas)
         or _describe_first_mismatch(metas, ranks)
     )
     if error is None and joined and first.op in _JOIN_UNSUPPORTED:
