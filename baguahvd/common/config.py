@@ -25,8 +25,10 @@ def _lookup(env: Mapping[str, str], name: str, horovod_alias: bool = True) -> st
     return value
 
 
-def _as_bool(env: Mapping[str, str], name: str, default: bool = False) -> bool:
-    value = _lookup(env, name)
+def _as_bool(
+    env: Mapping[str, str], name: str, default: bool = False, horovod_alias: bool = True
+) -> bool:
+    value = _lookup(env, name, horovod_alias)
     if value is None:
         return default
     text = value.strip().lower()
@@ -37,9 +39,8 @@ def _as_bool(env: Mapping[str, str], name: str, default: bool = False) -> bool:
     try:
         return int(float(text)) > 0
     except ValueError:
-        raise ValueError(
-            f"HOROVOD_{name}/BAGUAHVD_{name}={value!r} is not a boolean; use 0 or 1."
-        ) from None
+        label = f"HOROVOD_{name}/BAGUAHVD_{name}" if horovod_alias else f"BAGUAHVD_{name}"
+        raise ValueError(f"{label}={value!r} is not a boolean; use 0 or 1.") from None
 
 
 def _as_number(
@@ -169,6 +170,10 @@ class Config:
     """Default communication algorithm of DistributedOptimizer (BAGUAHVD_ALGORITHM)."""
     bucket_bytes: int = 10 * 1024 * 1024
     """Bucket size of the Bagua algorithms in bytes (BAGUAHVD_BUCKET_SIZE; Bagua's 10 MiB)."""
+    check_call_sites: bool = False
+    """Record the call site of every unnamed collective and fail those that ranks pair from
+    different sites (BAGUAHVD_CHECK_CALL_SITES). Off by default: a script may legitimately
+    reach one collective from different lines on different ranks."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -244,6 +249,7 @@ class Config:
             bucket_bytes=int(
                 _as_number(env, "BUCKET_SIZE", cls.bucket_bytes, int, minimum=1)
             ),
+            check_call_sites=_as_bool(env, "CHECK_CALL_SITES", horovod_alias=False),
         )
         if (
             not config.stall_check_disable

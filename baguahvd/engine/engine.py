@@ -102,7 +102,7 @@ class Engine:
         self.size = control.size
         self._registry = ProcessSetRegistry(self.rank, self.size, control)
         self.process_sets = self._registry.states
-        self._queue = RequestQueue(self.rank)
+        self._queue = RequestQueue(self.rank, config.check_call_sites)
         self._lifecycle = Lifecycle(
             self.rank, self.size, control, config.exit_timeout_s, self._fail_everything
         )
@@ -318,6 +318,36 @@ class Engine:
             return request.handle
         self._queue.put(request, self._stop_error)
         return request.handle
+
+    def take_place(
+        self, op: OpType, label: str, process_set_id: int, name: str | None, reason: str
+    ) -> None:
+        """Submits a placeholder for a collective that failed its local checks on this rank.
+
+        The caller raises the error itself; the placeholder (no tensors, ``reason`` as its
+        ``failure``) stands for the collective in negotiation, so the other members'
+        matching collective fails with ``reason`` and this rank's later unnamed collectives
+        keep pairing with theirs. Its handle is dropped: nobody waits for it. Nothing is
+        submitted where there is nothing to pair with: a stopped engine, a set this rank is
+        not a member of, a set of one rank.
+
+        Args:
+            op, label, process_set_id, name: as the failed call would have passed them to
+                :meth:`submit`.
+            reason: ``Type: message`` of the local error.
+
+        Raises:
+            DuplicateNameError: ``name`` is in flight on this rank (the earlier request
+                takes the place).
+        """
+        state = self.process_sets.get(process_set_id)
+        if not self.running or state is None or not state.member or len(state.ranks) == 1:
+            return
+        request = self._queue.make_request(
+            op, label, process_set_id, (), None, name, ReduceOp.SUM, 1.0, 1.0, -1, None, (),
+        )
+        request.meta = request.meta._replace(failure=reason)
+        self._queue.put(request, self._stop_error)
 
     def _stop_error(self) -> BaseException | None:
         return self._lifecycle.error

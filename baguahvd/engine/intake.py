@@ -4,16 +4,25 @@ A user thread turns a call into a :class:`~baguahvd.engine.requests.Request` (it
 :class:`~baguahvd.engine.messages.RequestMeta` names it: named requests by
 ``label.name``, unnamed ones by their order per process set, ``noname.N``) and appends it to
 the queue; a name may be in flight once at a time. The engine thread takes the whole queue
-at the start of a cycle.
+at the start of a cycle. A placeholder (a collective that failed its local checks, see
+:mod:`~baguahvd.engine.messages`) holds its name like any request, but a request of the same
+name submitted meanwhile (the call retried after the error) is not a duplicate: it waits in
+the intake until the placeholder is done, and is queued then, as the name's next round.
 
 A burst of submissions (a backward pass, a loop of async calls) is negotiated as one: the
 engine waits until a thread blocks on a handle (the burst is over: it submits nothing more
 meanwhile), or nothing has been submitted for half a millisecond, or five cycle times have
 passed (see :meth:`RequestQueue.let_burst_finish`).
+
+With ``BAGUAHVD_CHECK_CALL_SITES`` an unnamed request also records where the user called it
+(:func:`call_site`), so that rank 0 can tell ranks that pair unnamed collectives from
+different lines.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,12 +43,31 @@ BURST_CYCLES = 5
 
 _DTYPE_NAMES = {dtype: name for name, dtype in execute.DTYPES.items()}
 
+# Frames in these folders are the library's, not the user's call.
+_LIBRARY_DIRS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+)
+
+
+def call_site() -> str:
+    """``file:line`` of the innermost frame outside baguahvd and torch: the user's call."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_LIBRARY_DIRS):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return "<unknown>"
+
 
 class RequestQueue:
     """The queue between user threads and the engine thread (see module docstring)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, check_sites: bool = False) -> None:
         self.rank = rank
+        self.check_sites = check_sites
+        """Record the call site of each unnamed request (BAGUAHVD_CHECK_CALL_SITES)."""
         self.lock = threading.Lock()
         self.wake = threading.Event()
         """Set when there is something for the engine thread to do."""
@@ -47,6 +75,10 @@ class RequestQueue:
         """Set when a thread blocks on a handle: the burst being submitted is over."""
         self._queue: list[Request] = []
         self._inflight: set[tuple[int, str]] = set()
+        self._placeholders: set[tuple[int, str]] = set()
+        """Names in flight whose request is a placeholder."""
+        self._deferred: dict[tuple[int, str], Request] = {}
+        """Requests waiting for a placeholder of their name to be done."""
         self._noname: dict[int, int] = {}
         self._last_arrival = 0.0
 
@@ -81,11 +113,14 @@ class RequestQueue:
         payload: Sequence[int],
     ) -> Request:
         """The request of one call (see :meth:`~baguahvd.engine.engine.Engine.submit`)."""
+        site = ""
         if name is not None and op != OpType.JOIN:
             key = display = f"{label}.{name}"
         elif op == OpType.JOIN:
             key = display = JOIN_KEY
         else:
+            if self.check_sites:
+                site = call_site()
             with self.lock:
                 count = self._noname.get(process_set_id, 0)
                 self._noname[process_set_id] = count + 1
@@ -118,6 +153,8 @@ class RequestQueue:
             root,
             None if splits is None else tuple(int(s) for s in splits),
             tuple(payload),
+            "",
+            site,
         )
         return Request(meta, inputs, outputs)
 
@@ -134,9 +171,19 @@ class RequestQueue:
             error = stopped()
             if error is not None:
                 raise error
-            if request.ident in self._inflight:
-                raise DuplicateNameError(request.meta.name)
-            self._inflight.add(request.ident)
+            ident = request.ident
+            if ident in self._inflight:
+                if (
+                    ident not in self._placeholders
+                    or ident in self._deferred
+                    or request.meta.failure
+                ):
+                    raise DuplicateNameError(request.meta.name)
+                self._deferred[ident] = request
+                return
+            self._inflight.add(ident)
+            if request.meta.failure:
+                self._placeholders.add(ident)
             queue = self._queue
             queue.append(request)
             self._last_arrival = time.perf_counter()
@@ -158,12 +205,30 @@ class RequestQueue:
             discard = self._inflight.discard
             for request in requests:
                 discard(request.ident)
+            if self._placeholders:
+                self._release_deferred(requests)
+
+    def _release_deferred(self, requests: Sequence[Request]) -> None:
+        """Queues the requests that waited for the finished placeholders among ``requests``
+        (lock held)."""
+        for request in requests:
+            if request.ident not in self._placeholders:
+                continue
+            self._placeholders.discard(request.ident)
+            deferred = self._deferred.pop(request.ident, None)
+            if deferred is not None:
+                self._inflight.add(deferred.ident)
+                self._queue.append(deferred)
+                self._last_arrival = time.perf_counter()
+                self.wake.set()
 
     def drain(self) -> list[Request]:
         """Takes every queued request and forgets every name in flight (the engine stops)."""
         with self.lock:
-            queued, self._queue = self._queue, []
+            queued, self._queue = [*self._queue, *self._deferred.values()], []
             self._inflight.clear()
+            self._placeholders.clear()
+            self._deferred.clear()
         return queued
 
     def wake_up(self) -> None:

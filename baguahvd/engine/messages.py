@@ -3,6 +3,13 @@
 A :class:`RequestMeta` describes one submitted collective (no tensor data). Rank 0 collects
 them and, once every member of the process set has submitted a name, checks that they agree
 and turns them into one :class:`Response` that all ranks execute in the same order.
+
+A request may be a placeholder: the collective failed its local checks on its rank, which
+raised the error at once and still submitted the request (no tensors, ``failure`` set), so
+that the other ranks' matching collective fails with that reason instead of pairing with the
+rank's next one. Any placeholder among the requests makes the response an error, checked
+before anything else; so does a disagreement of call sites (``site``, recorded for unnamed
+requests when ``BAGUAHVD_CHECK_CALL_SITES`` is set).
 """
 
 from __future__ import annotations
@@ -65,6 +72,12 @@ class RequestMeta(NamedTuple):
     """Alltoall: elements of dim 0 sent to each member."""
     payload: tuple[int, ...] = ()
     """Op-specific integers (the ranks of a process set being added or removed)."""
+    failure: str = ""
+    """A placeholder's reason (``Type: message``): the collective failed its local checks on
+    this rank. Never empty in a request that carries tensors, so a placeholder never matches
+    a cached signature: it invalidates the entry of its name instead of hitting it."""
+    site: str = ""
+    """``file:line`` of the user's call, for unnamed requests with BAGUAHVD_CHECK_CALL_SITES."""
 
     def signature(self) -> tuple[object, ...]:
         """Everything that must match for a cached response to be reused by this rank: the
@@ -100,6 +113,33 @@ class Response(NamedTuple):
 
 def _shape(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _describe_local_failures(metas: Sequence[RequestMeta]) -> str | None:
+    """Names every rank whose request is a placeholder, with its reason, or returns None."""
+    failed = [meta for meta in metas if meta.failure]
+    if not failed:
+        return None
+    reasons = "; ".join(
+        f"rank {meta.rank} failed its local checks: {meta.failure}" for meta in failed
+    )
+    return f"{metas[0].name}: {reasons}"
+
+
+def _describe_site_mismatch(metas: Sequence[RequestMeta]) -> str | None:
+    """Names the first two ranks that submitted an unnamed collective from different call
+    sites, or returns None (requests without a site are not compared)."""
+    placed = [meta for meta in metas if meta.site]
+    for meta in placed[1:]:
+        if meta.site != placed[0].site:
+            return (
+                f"{placed[0].name}: ranks paired unnamed collectives from different call "
+                f"sites: rank {placed[0].rank} called {placed[0].name} at {placed[0].site}, "
+                f"but rank {meta.rank} called {meta.name} at {meta.site}. Unnamed "
+                "collectives pair by their order on each rank: give them names, or make "
+                "every rank call them in the same order."
+            )
+    return None
 
 
 def _describe_first_mismatch(
@@ -213,7 +253,11 @@ def build_response(
     """
     first = metas[0]
     base = dict(key=first.key, name=first.name, op=first.op, process_set_id=first.process_set_id)
-    error = _describe_first_mismatch(metas, ranks)
+    error = (
+        _describe_local_failures(metas)
+        or _describe_site_mismatch(metas)
+        or _describe_first_mismatch(metas, ranks)
+    )
     if error is None and joined and first.op in _JOIN_UNSUPPORTED:
         error = f"{_JOIN_UNSUPPORTED[first.op]} ({first.name}; joined ranks: {list(joined)})"
     if error is not None:
