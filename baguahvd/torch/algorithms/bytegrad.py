@@ -16,21 +16,9 @@ leaders; the result is broadcast inside the node.
 
 from __future__ import annotations
 
-from baguahvd.torch.algorithms.base import (
-    Algorithm,
-    AlgorithmContext,
-    AlgorithmImpl,
-    GradientAlgorithmImpl,
-    bucket_name,
-    check_bool,
-)
-from baguahvd.torch.algorithms.buckets import Bucket
-from baguahvd.torch.algorithms.hierarchy import optional_hierarchy
-from baguahvd.torch.algorithms.primitives import (
-    MinMaxUInt8,
-    centralized_reduce,
-    check_compressible,
-)
+from baguahvd.torch.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, check_bool
+from baguahvd.torch.algorithms.gradient_allreduce import CentralizedReduceImpl
+from baguahvd.torch.algorithms.primitives import Compressor, MinMaxUInt8, check_compressible
 
 
 class ByteGradAlgorithm(Algorithm):
@@ -55,20 +43,9 @@ class ByteGradAlgorithm(Algorithm):
         return _ByteGradImpl(self, context)
 
 
-class _ByteGradImpl(GradientAlgorithmImpl):
-    algorithm: ByteGradAlgorithm
+class _ByteGradImpl(CentralizedReduceImpl):
+    algorithm: ByteGradAlgorithm  # type: ignore[assignment]
     alignment_by_size = True
 
-    def __init__(self, algorithm: ByteGradAlgorithm, context: AlgorithmContext) -> None:
-        super().__init__(algorithm, context)
-        self.hierarchy = optional_hierarchy(context.process_set, algorithm.hierarchical)
-
-    def communicate(self, bucket: Bucket) -> None:
-        centralized_reduce(
-            bucket.flat,
-            bucket_name(self.algorithm, bucket),
-            self.context.process_set,
-            self.hierarchy,
-            average=self.algorithm.average,
-            compressor=MinMaxUInt8(),
-        )
+    def compressor(self) -> Compressor:
+        return MinMaxUInt8()

@@ -8,6 +8,8 @@ leaders, node broadcast.
 
 from __future__ import annotations
 
+from typing import Any
+
 from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -18,7 +20,7 @@ from baguahvd.torch.algorithms.base import (
 )
 from baguahvd.torch.algorithms.buckets import Bucket
 from baguahvd.torch.algorithms.hierarchy import optional_hierarchy
-from baguahvd.torch.algorithms.primitives import centralized_reduce
+from baguahvd.torch.algorithms.primitives import Compressor, centralized_reduce
 
 
 class GradientAllReduceAlgorithm(Algorithm):
@@ -42,12 +44,19 @@ class GradientAllReduceAlgorithm(Algorithm):
         return _GradientAllReduceImpl(self, context)
 
 
-class _GradientAllReduceImpl(GradientAlgorithmImpl):
+class CentralizedReduceImpl(GradientAlgorithmImpl):
+    """Each bucket reduced by :func:`centralized_reduce` with the algorithm's ``hierarchical``
+    and ``average`` settings; subclasses choose a compressor."""
+
     algorithm: GradientAllReduceAlgorithm
 
-    def __init__(self, algorithm: GradientAllReduceAlgorithm, context: AlgorithmContext) -> None:
+    def __init__(self, algorithm: Any, context: AlgorithmContext) -> None:
         super().__init__(algorithm, context)
         self.hierarchy = optional_hierarchy(context.process_set, algorithm.hierarchical)
+
+    def compressor(self) -> Compressor | None:
+        """What the bucket travels as between ranks: full precision by default."""
+        return None
 
     def communicate(self, bucket: Bucket) -> None:
         centralized_reduce(
@@ -56,4 +65,9 @@ class _GradientAllReduceImpl(GradientAlgorithmImpl):
             self.context.process_set,
             self.hierarchy,
             average=self.algorithm.average,
+            compressor=self.compressor(),
         )
+
+
+class _GradientAllReduceImpl(CentralizedReduceImpl):
+    pass
