@@ -41,7 +41,7 @@ class GradientAllReduceAlgorithm(Algorithm):
         self.average = average
 
     def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
-        return _GradientAllReduceImpl(self, context)
+        return CentralizedReduceImpl(self, context)
 
 
 class CentralizedReduceImpl(GradientAlgorithmImpl):
@@ -68,6 +68,3 @@ class CentralizedReduceImpl(GradientAlgorithmImpl):
             compressor=self.compressor(),
         )
 
-
-class _GradientAllReduceImpl(CentralizedReduceImpl):
-    pass
