@@ -410,10 +410,10 @@ def test_check_build(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert out.startswith(f"baguahvd v{__version__}:\n")
     assert "    [X] PyTorch\n" in out and "    [ ] TensorFlow\n" in out
-    assert "Available Controllers:\n    [X] MPI\n    [ ] Gloo\n" in out
+    assert "Available Controllers:\n    [X] MPI\n    [X] Gloo\n" in out
     assert (
         "Available Tensor Operations:\n    [ ] NCCL\n    [ ] DDL\n    [ ] CCL\n"
-        "    [X] MPI\n    [ ] Gloo\n"
+        "    [X] MPI\n    [X] Gloo\n"
     ) in out
     assert cli.main(["-cb"]) == 0
     assert capsys.readouterr().out == out
