@@ -55,6 +55,9 @@ class Runtime:
         self._base_comm: Any = None
         """The MPI communicator of the job, or its :class:`~baguahvd.backends.gloo.GlooWorld`."""
         self.transport: Transport | None = None
+        # The gloo job's store, reached at the first init() and kept for later ones (rank 0
+        # may host it: a second one could not listen on the same port).
+        self._gloo_store: Any = None
         self._shutdown_callbacks: list[Callable[[], None]] = []
         self._stopped_engine: Engine | None = None
         self._previous_excepthook: Callable[..., Any] | None = None
@@ -181,7 +184,12 @@ class Runtime:
         logging_setup.configure(launch.rank, config.log_level, config.log_hide_time)
         # A collective waits for its peers as long as the watchdog lets it (0: forever).
         group_timeout_s = config.peer_timeout_s or 7 * 24 * 3600.0
-        world = gloo.connect(launch, config.gloo_timeout_s, group_timeout_s + 60)
+        if self._gloo_store is None:
+            self._gloo_store = gloo.connect_store(launch, config.gloo_timeout_s)
+        world = gloo.GlooWorld(
+            self._gloo_store, launch.rank, launch.size, group_timeout_s + 60,
+            launch.interface, launch.restart,
+        )
         control = gloo.GlooControlPlane(world)
         topology = gloo.Topology(launch, control)
         engine = Engine(config, control, gloo.device_communicator)
@@ -223,6 +231,10 @@ class Runtime:
             self._shut_down = True
             self._stopped_engine = engine
         engine.shutdown(failure)
+        if self.transport is Transport.GLOO:
+            # gloo's groups own threads that must be joined before the interpreter ends;
+            # left to exit, their destruction races with it and may abort the process.
+            engine.release()
 
     def _at_exit(self) -> None:
         # The exception that ended the script, if the excepthook did not see it (a user's

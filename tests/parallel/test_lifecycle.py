@@ -19,10 +19,11 @@ def _world_still_works(size: int, name: str) -> None:
 # Topology and capabilities
 
 
-def test_size_and_rank_match_mpirun(rank: int, size: int) -> None:
+def test_size_and_rank_match_the_launcher(rank: int, size: int) -> None:
     assert hvd.is_initialized()
-    assert size == int(os.environ["OMPI_COMM_WORLD_SIZE"])
-    assert rank == int(os.environ["OMPI_COMM_WORLD_RANK"])
+    # mpirun's variables, or torchrun's (which baguahvdrun --gloo also sets).
+    assert size == int(os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ["WORLD_SIZE"])
+    assert rank == int(os.environ.get("OMPI_COMM_WORLD_RANK") or os.environ["RANK"])
     assert isinstance(size, int) and isinstance(rank, int)
 
 

@@ -11,7 +11,7 @@ from baguahvd.backends.base import Communicator
 from baguahvd.backends.gloo.communicator import GlooCommunicator, PendingWork
 from baguahvd.backends.gloo.control import GlooControlPlane
 from baguahvd.backends.gloo.rendezvous import HTTPRendezvous
-from baguahvd.backends.gloo.setup import GlooWorld, connect
+from baguahvd.backends.gloo.setup import GlooWorld, connect_store
 from baguahvd.backends.gloo.topology import Topology
 
 __all__ = [
@@ -21,7 +21,7 @@ __all__ = [
     "HTTPRendezvous",
     "PendingWork",
     "Topology",
-    "connect",
+    "connect_store",
     "device_communicator",
 ]
 

@@ -95,17 +95,19 @@ class GlooWorld:
         return GlooCommunicator(self.group(members, purpose))
 
 
-def connect(launch: Launch, timeout_s: float, group_timeout_s: float) -> GlooWorld:
-    """Joins the job the launcher started (see the module docstring).
+def connect_store(launch: Launch, timeout_s: float) -> Any:
+    """Reaches the job's store (see the module docstring). Once per process: a store that
+    rank 0 hosts lives as long as the returned object, and a later ``hvd.init()`` reuses
+    it (its :class:`GlooWorld` gets a namespace of its own).
 
     Raises:
         ValueError: the launcher's variables do not say where the store is.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     if launch.launcher == "horovodrun-gloo":
-        store = _store_from_rendezvous(launch, timeout)
-    elif launch.store_host is not None and launch.store_port is not None:
-        store = dist.TCPStore(
+        return _store_from_rendezvous(launch, timeout)
+    if launch.store_host is not None and launch.store_port is not None:
+        return dist.TCPStore(
             launch.store_host,
             launch.store_port,
             None,
@@ -113,16 +115,12 @@ def connect(launch: Launch, timeout_s: float, group_timeout_s: float) -> GlooWor
             timeout,
             wait_for_workers=False,
         )
-    elif launch.size == 1:
-        store = dist.HashStore()
-    else:
-        raise ValueError(
-            f"the launcher says this job has {launch.size} ranks but not where they meet: set "
-            "MASTER_ADDR and MASTER_PORT (torchrun sets both), or start the job with "
-            "horovodrun --gloo, torchrun or baguahvdrun"
-        )
-    return GlooWorld(
-        store, launch.rank, launch.size, group_timeout_s, launch.interface, launch.restart
+    if launch.size == 1:
+        return dist.HashStore()
+    raise ValueError(
+        f"the launcher says this job has {launch.size} ranks but not where they meet: set "
+        "MASTER_ADDR and MASTER_PORT (torchrun sets both), or start the job with "
+        "horovodrun --gloo, torchrun or baguahvdrun --gloo"
     )
 
 
