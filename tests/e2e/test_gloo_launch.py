@@ -165,3 +165,36 @@ def test_parallel_on_gloo(module: str) -> None:
         [command], jobs.ROOT, TIMEOUT_S, [{jobs.PARALLEL_WORKER_ENV: "1"}]
     )
     assert_ok(result)
+
+
+FAILING_RANK = """
+import os, signal, sys, time, torch, baguahvd.torch as hvd
+hvd.init()
+hvd.allreduce(torch.ones(2), name="warm")
+if hvd.rank() == 1:
+    if sys.argv[1] == "raise":
+        raise RuntimeError("boom on rank 1")
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    for i in range(200):
+        hvd.allreduce(torch.ones(2), name=f"step.{i}")
+        time.sleep(0.05)
+except hvd.HorovodInternalError as error:
+    print(f"rank 0 saw: {error}", flush=True)
+    raise
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "seen"),
+    [("raise", "rank 1 failed: RuntimeError: boom on rank 1"),
+     ("kill", "rank 1 failed: its process")],
+)
+def test_a_failed_rank_is_named_on_the_others(tmp_path: pathlib.Path, how: str,
+                                              seen: str) -> None:
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING_RANK)
+    command = jobs.launcher_command(["--gloo", "-np", "2", sys.executable, str(script), how])
+    [result] = jobs.run_commands([command], jobs.ROOT, 120, [{}])
+    assert result.returncode != 0
+    assert f"rank 0 saw: {seen}" in result.stdout, result.stdout[-3000:]

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from baguahvd.backends.gloo import GlooControlPlane, GlooWorld
+from baguahvd.backends.gloo import GlooControlPlane, GlooWorld, communicator
 from baguahvd.common.ops import ReduceOp
 
 
@@ -190,3 +190,35 @@ def test_only_the_backends_import_torch_distributed() -> None:
                    for n in names):
                 offenders.append(str(path.relative_to(root)))
     assert offenders == []
+
+
+class _FailedWork:
+    """A gloo work whose peer closed its connection."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+
+
+def test_a_failed_collective_leaves_the_engine_time_to_name_the_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class PeerNamed(Exception):
+        pass
+
+    calls = []
+
+    def waiting() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise PeerNamed
+
+    with pytest.raises(PeerNamed):
+        communicator.poll(_FailedWork(), waiting)
+    monkeypatch.setattr(communicator, "ATTRIBUTION_S", 0.1)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        communicator.poll(_FailedWork(), lambda: None)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        communicator.poll(_FailedWork(), None)
