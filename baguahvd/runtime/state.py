@@ -2,6 +2,10 @@
 
 One :class:`Runtime` object per process holds the engine and the topology (Horovod keeps the
 same in its ``HorovodGlobalState``); the public functions are its bound methods.
+
+``init()`` runs the engine on MPI or on gloo, as the launcher that started the process
+implies (:mod:`~baguahvd.runtime.transport`): MPI under mpirun, gloo under torchrun,
+``baguahvdrun --gloo`` and ``horovodrun --gloo``. Nothing above the runtime knows which.
 """
 
 from __future__ import annotations
