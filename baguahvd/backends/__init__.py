@@ -1,9 +1,12 @@
-"""Communication backends: the only place that talks to MPI (mpi4py) or NCCL (CuPy).
+"""Communication backends: the only place that talks to MPI (mpi4py), gloo
+(torch.distributed) or NCCL (CuPy).
 
 - :mod:`~baguahvd.backends.base`: the interfaces, ``Communicator`` (data plane) and
   ``ControlPlane`` (negotiation, alarms, exit), and the device-communicator factory type;
 - :mod:`~baguahvd.backends.mpi`: MPI's data plane, control plane, topology and setup
   helpers (importing it starts MPI: call :func:`prepare_mpi` first);
+- :mod:`~baguahvd.backends.gloo`: gloo's data plane, control plane, topology and store,
+  for jobs started by torchrun or ``horovodrun --gloo`` (no MPI);
 - :mod:`~baguahvd.backends.nccl`: NCCL through CuPy for CUDA tensors.
 """
 

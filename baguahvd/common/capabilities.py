@@ -1,9 +1,9 @@
 """What this installation of baguahvd can do: Horovod's ``*_built()`` queries.
 
 Horovod answers these from compile-time flags. baguahvd has nothing compiled, so the answers
-describe what the Python environment provides: MPI through mpi4py, NCCL and CUDA through
-CuPy, and never Gloo, DDL, CCL or ROCm. Every query works before ``hvd.init()`` and never
-raises.
+describe what the Python environment provides: MPI through mpi4py, Gloo through
+torch.distributed, NCCL and CUDA through CuPy, and never DDL, CCL or ROCm. Every query
+works before ``hvd.init()`` and never raises.
 
 Only ``baguahvd.backends`` may import ``mpi4py`` or ``cupy``. The probes here stay within that
 rule: they look the packages up with :func:`importlib.util.find_spec`, which does not import
@@ -19,6 +19,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +43,23 @@ def mpi_built() -> bool:
 
 
 def gloo_built() -> bool:
-    """Tells whether Gloo is available. baguahvd has no Gloo controller.
+    """Tells whether Gloo is available, i.e. torch.distributed with its gloo backend.
+
+    Once torch is imported this asks it; before (the launcher never imports torch), an
+    installed torch counts, since every torch build for Linux and macOS ships gloo.
 
     Returns:
-        Always ``False``.
+        ``True`` when the gloo backend of torch.distributed can be used.
     """
-    return False
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return _has_module("torch")
+    distributed = getattr(torch, "distributed", None)
+    return bool(
+        distributed is not None
+        and distributed.is_available()
+        and distributed.is_gloo_available()
+    )
 
 
 @functools.cache

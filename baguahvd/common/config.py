@@ -174,6 +174,13 @@ class Config:
     """Record the call site of every unnamed collective and fail those that ranks pair from
     different sites (BAGUAHVD_CHECK_CALL_SITES). Off by default: a script may legitimately
     reach one collective from different lines on different ranks."""
+    cpu_backend: str = "auto"
+    """Transport of CPU tensors and negotiation: ``mpi``, ``gloo`` or ``auto``
+    (BAGUAHVD_CPU_BACKEND; else Horovod's HOROVOD_CPU_OPERATIONS or HOROVOD_CONTROLLER,
+    which ``horovodrun --gloo`` sets to ``gloo``). ``auto`` takes gloo when torchrun or
+    ``horovodrun --gloo`` started the process, MPI otherwise."""
+    gloo_timeout_s: float = 30.0
+    """Seconds the gloo rendezvous waits for the other ranks (HOROVOD_GLOO_TIMEOUT_SECONDS)."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -250,6 +257,8 @@ class Config:
                 _as_number(env, "BUCKET_SIZE", cls.bucket_bytes, int, minimum=1)
             ),
             check_call_sites=_as_bool(env, "CHECK_CALL_SITES", horovod_alias=False),
+            cpu_backend=_cpu_backend(env),
+            gloo_timeout_s=_as_number(env, "GLOO_TIMEOUT_SECONDS", cls.gloo_timeout_s),
         )
         if (
             not config.stall_check_disable
@@ -262,6 +271,22 @@ class Config:
                 "check time, lower the check time, or set the shutdown time to 0 to turn it off."
             )
         return config
+
+
+_CPU_BACKENDS = ("auto", "mpi", "gloo")
+
+
+def _cpu_backend(env: Mapping[str, str]) -> str:
+    label, value = "BAGUAHVD_CPU_BACKEND", env.get("BAGUAHVD_CPU_BACKEND", "").strip()
+    if not value:
+        for name in ("HOROVOD_CPU_OPERATIONS", "HOROVOD_CONTROLLER"):
+            text = env.get(name, "").strip().lower()
+            if text in ("mpi", "gloo"):
+                return text
+        return "auto"
+    if value.lower() not in _CPU_BACKENDS:
+        raise ValueError(f"{label}={value!r} is not one of {', '.join(_CPU_BACKENDS)}.")
+    return value.lower()
 
 
 def env_flag(name: str) -> bool:
@@ -289,3 +314,107 @@ def launcher_rank(env: Mapping[str, str] | None = None) -> int | None:
         if value.isdigit():
             return int(value)
     return None
+
+
+# What each launcher tells its processes (besides the rank above).
+_MPI_LAUNCH = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
+_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+             "MASTER_PORT")
+_HOROVOD_GLOO = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+                 "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+                 "HOROVOD_GLOO_RENDEZVOUS_PORT")
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How the launcher started this process, read from its variables before any
+    communication. Build it with :func:`launch_from_env`."""
+
+    launcher: str | None = None
+    """``"mpi"`` (mpirun, srun --mpi=pmix, MPICH), ``"torchrun"`` (also ``baguahvdrun
+    --gloo``), ``"horovodrun-gloo"``, or ``None`` for a process started alone."""
+    variables: tuple[str, ...] = ()
+    """The launcher's variables that were found, for error messages."""
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    store_host: str | None = None
+    """torchrun: the TCP store's host (MASTER_ADDR)."""
+    store_port: int | None = None
+    """torchrun: the TCP store's port (MASTER_PORT)."""
+    store_hosted_by_agent: bool = False
+    """torchrun: its agent hosts the store (TORCHELASTIC_USE_AGENT_STORE), so rank 0 must
+    not start one."""
+    restart: int = 0
+    """torchrun: how many times its agent restarted the workers
+    (TORCHELASTIC_RESTART_COUNT); keys of earlier attempts stay in the agent's store."""
+    rendezvous_host: str | None = None
+    """horovodrun --gloo: its HTTP rendezvous server (HOROVOD_GLOO_RENDEZVOUS_ADDR)."""
+    rendezvous_port: int | None = None
+    """horovodrun --gloo: HOROVOD_GLOO_RENDEZVOUS_PORT."""
+    interface: str | None = None
+    """The network interface gloo uses (HOROVOD_GLOO_IFACE); ``None``: torch's choice."""
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a whole number.") from None
+
+
+def launch_from_env(env: Mapping[str, str] | None = None) -> Launch:
+    """Reads what the launcher told this process (see :class:`Launch`).
+
+    Precedence: an MPI launcher's variables first (MPI stays the default under mpirun),
+    then horovodrun --gloo's, then torchrun's.
+    """
+    env = os.environ if env is None else env
+
+    def found(names: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(name for name in names if env.get(name, "").strip())
+
+    interface = env.get("HOROVOD_GLOO_IFACE", "").strip() or None
+    if found(_MPI_LAUNCH):
+        return Launch("mpi", found(_MPI_LAUNCH), interface=interface)
+    if found(("HOROVOD_RANK", "HOROVOD_SIZE")):
+        size = _int(env, "HOROVOD_SIZE", 1)
+        return Launch(
+            "horovodrun-gloo",
+            found(_HOROVOD_GLOO),
+            rank=_int(env, "HOROVOD_RANK", 0),
+            size=size,
+            local_rank=_int(env, "HOROVOD_LOCAL_RANK", 0),
+            local_size=_int(env, "HOROVOD_LOCAL_SIZE", size),
+            cross_rank=_int(env, "HOROVOD_CROSS_RANK", 0),
+            cross_size=_int(env, "HOROVOD_CROSS_SIZE", 1),
+            rendezvous_host=env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR", "").strip() or None,
+            rendezvous_port=_int(env, "HOROVOD_GLOO_RENDEZVOUS_PORT", 0) or None,
+            interface=interface,
+        )
+    if found(("RANK", "WORLD_SIZE")):
+        size = _int(env, "WORLD_SIZE", 1)
+        local_size = _int(env, "LOCAL_WORLD_SIZE", size)
+        return Launch(
+            "torchrun",
+            found(_TORCHRUN),
+            rank=_int(env, "RANK", 0),
+            size=size,
+            local_rank=_int(env, "LOCAL_RANK", 0),
+            local_size=local_size,
+            cross_rank=_int(env, "GROUP_RANK", 0),
+            cross_size=_int(env, "GROUP_WORLD_SIZE", max(size // max(local_size, 1), 1)),
+            store_host=env.get("MASTER_ADDR", "").strip() or None,
+            store_port=_int(env, "MASTER_PORT", 0) or None,
+            store_hosted_by_agent=env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower()
+            in ("1", "true"),
+            restart=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+            interface=interface,
+        )
+    return Launch(interface=interface)

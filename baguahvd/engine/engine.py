@@ -235,6 +235,17 @@ class Engine:
         if self.timeline is not None:
             self.timeline.close()
 
+    def release(self) -> None:
+        """Frees every process set's communicators and the control plane after a normal
+        :meth:`shutdown`. Does nothing while the engine thread still runs (it may be in a
+        collective) or after a failure (:meth:`leave_job` still needs the control plane)."""
+        thread = self._thread
+        if (thread is not None and thread.is_alive()) or self.abnormal:
+            return
+        for ident in list(self.process_sets):
+            self._registry.remove(ident)
+        self.control.free()
+
     def fail(self, reason: str) -> None:
         """Ends the job because this rank failed, without waiting: every other rank's
         pending and later collectives raise ``PeerFailureError`` naming this rank and

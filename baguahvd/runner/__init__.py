@@ -12,6 +12,7 @@ the launcher talks to the ranks only through their environment and the files of
   ``mpirun`` flags, notes for options without effect);
 - :mod:`.mpirun`: finding Open MPI's ``mpirun``, checking the request and building the
   command and environment of one launch;
+- :mod:`.local_gloo`: ``--gloo``, the ranks as local child processes joined by gloo;
 - :mod:`.elastic`: ``--elastic`` (settings, host discovery, the relaunch loop);
 - :mod:`.arguments`: the argument parser, every ``horovodrun`` option and ours;
 - :mod:`.cli`: :func:`main`, the ``baguahvdrun`` entry point;

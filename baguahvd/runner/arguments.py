@@ -293,7 +293,10 @@ def _add_library_arguments(parser: argparse.ArgumentParser) -> None:
 
     controller = parser.add_argument_group("controller").add_mutually_exclusive_group()
     controller.add_argument(
-        "--gloo", action="store_true", dest="use_gloo", help="Gloo controller (not available yet)"
+        "--gloo",
+        action="store_true",
+        dest="use_gloo",
+        help="start the ranks on this machine, joined by gloo, without mpirun",
     )
     controller.add_argument(
         "--mpi", action="store_true", dest="use_mpi", help="MPI controller (the default)"

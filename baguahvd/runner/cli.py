@@ -24,7 +24,8 @@ This module parses the command line (with ``--config-file``) and dispatches: the
 read by :mod:`baguahvd.runner.hosts` or found by :mod:`baguahvd.runner.allocation`, the
 command is built by :mod:`baguahvd.runner.mpirun`, and an elastic job is run by
 :mod:`baguahvd.runner.elastic`. Options that have no effect here print a one-line note to
-stderr; ``--gloo`` exits with status 2, since the Gloo controller is not available yet.
+stderr. ``--gloo`` starts the ranks on this machine without mpirun, joined by gloo
+(:mod:`baguahvd.runner.local_gloo`).
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ from baguahvd import __version__
 from baguahvd.common import capabilities
 from baguahvd.common.config import env_flag
 from baguahvd.common.shim import shim_path
+from baguahvd.runner import local_gloo
 from baguahvd.runner.arguments import make_parser
 from baguahvd.runner.configfile import apply_config, read_config
 from baguahvd.runner.elastic.launcher import ElasticLauncher
 from baguahvd.runner.elastic.settings import ElasticSettings
 from baguahvd.runner.hosts import LaunchError
+from baguahvd.runner.local_gloo import check_local
 from baguahvd.runner.mpirun import (
     MpirunNotFoundError,
     build_command,
@@ -56,12 +59,6 @@ from baguahvd.runner.mpirun import (
 from baguahvd.runner.options import launch_notes
 
 __all__ = ["check_build_table", "main", "make_parser", "parse_args"]
-
-GLOO_UNAVAILABLE = (
-    "the Gloo controller (--gloo, or 'controller: gloo' in --config-file) is not available "
-    "in this baguahvd yet; drop it to launch with MPI (the default)"
-)
-
 
 def check_build_table() -> str:
     """Returns ``horovodrun --check-build``'s table, answered for this installation."""
@@ -185,10 +182,9 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.shim_path:
         print(shim_path())
         return 0
-    if args.use_gloo:
-        print(f"baguahvdrun: error: {GLOO_UNAVAILABLE}", file=sys.stderr)
-        return 2
     env = dict(os.environ)
+    if args.use_gloo:
+        return _launch_gloo(parser, args, env)
     if is_elastic(args):
         return _launch_elastic(parser, args, env)
     try:
@@ -215,6 +211,25 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(f"baguahvdrun: error: cannot run {command[0]}: {error}", file=sys.stderr)
         return 1
     return 0  # reached only when os.execvpe is replaced, as in tests
+
+
+def _launch_gloo(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, env: dict[str, str]
+) -> int:
+    try:
+        if is_elastic(args):
+            raise LaunchError(
+                "--gloo cannot be combined with --elastic (elastic jobs relaunch mpirun); "
+                "drop one of them"
+            )
+        hosts, num_proc = resolve_request(args, env)
+        check_local(hosts)
+    except LaunchError as error:
+        parser.error(str(error))
+    _warn_if_shadowing(args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return local_gloo.launch(args, env, hosts, num_proc)
 
 
 def _launch_elastic(

@@ -247,6 +247,28 @@ def _mpi_args(args: argparse.Namespace) -> list[str]:
         raise LaunchError(f"--mpi-args {args.mpi_args!r}: {error}") from None
 
 
+def rank_environment(
+    args: argparse.Namespace, env: Mapping[str, str]
+) -> tuple[dict[str, str], list[str]]:
+    """The ranks' environment: ``env`` with the variables of the tuning options, ``-x``
+    settings and, with ``--as-horovod``, the shim first on ``PYTHONPATH``.
+
+    Returns:
+        The environment (a copy) and the names the options and ``-x`` gave, which
+        ``mpirun`` must be told to export.
+    """
+    out_env = dict(env)
+    user_names = rank_variables(args, out_env)
+    for spec in args.env_vars or ():
+        name, sep, value = spec.partition("=")
+        if sep:
+            out_env[name] = value
+        user_names.append(name)
+    if args.as_horovod:
+        out_env["PYTHONPATH"] = _prepend_path(out_env.get("PYTHONPATH"), shim_path())
+    return out_env, user_names
+
+
 def build_command(
     args: argparse.Namespace,
     env: Mapping[str, str],
@@ -285,15 +307,7 @@ def build_command(
     else:
         check_request(args)
         num_proc = _check_slots(hosts, num_proc)
-    out_env = dict(env)
-    user_names = rank_variables(args, out_env)
-    for spec in args.env_vars or ():
-        name, sep, value = spec.partition("=")
-        if sep:
-            out_env[name] = value
-        user_names.append(name)
-    if args.as_horovod:
-        out_env["PYTHONPATH"] = _prepend_path(out_env.get("PYTHONPATH"), shim_path())
+    out_env, user_names = rank_environment(args, env)
 
     command = [mpirun if mpirun is not None else find_mpirun(out_env)]
     geteuid = getattr(os, "geteuid", None)

@@ -263,7 +263,7 @@ def launch_notes(
         notes.append(
             "--autotune: HOROVOD_AUTOTUNE is exported, but baguahvd does not autotune yet"
         )
-    if args.gloo_timeout_seconds is not None:
+    if args.gloo_timeout_seconds is not None and not args.use_gloo:
         notes.append(
             "--gloo-timeout-seconds: HOROVOD_GLOO_TIMEOUT_SECONDS is exported, but the ranks "
             "use MPI, not Gloo"

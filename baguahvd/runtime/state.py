@@ -2,6 +2,10 @@
 
 One :class:`Runtime` object per process holds the engine and the topology (Horovod keeps the
 same in its ``HorovodGlobalState``); the public functions are its bound methods.
+
+``init()`` runs the engine on MPI or on gloo, as the launcher that started the process
+implies (:mod:`~baguahvd.runtime.transport`): MPI under mpirun, gloo under torchrun,
+``baguahvdrun --gloo`` and ``horovodrun --gloo``. Nothing above the runtime knows which.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+from baguahvd.backends import gloo
 from baguahvd.common import capabilities, logging_setup
-from baguahvd.common.config import Config
+from baguahvd.common.config import Config, Launch, launch_from_env
 from baguahvd.common.exceptions import (
     CollectiveNotInitializedError,
     NotInitializedError,
@@ -27,6 +32,7 @@ from baguahvd.engine.messages import OpType
 from baguahvd.engine.notices import describe_exception
 from baguahvd.runtime.handles import HandleTable
 from baguahvd.runtime.process_sets import ProcessSet, check_ranks, global_process_set
+from baguahvd.runtime.transport import Transport, check_joined, choose
 
 if TYPE_CHECKING:
     from baguahvd.backends.mpi import MPICommunicator
@@ -51,6 +57,11 @@ class Runtime:
         self._lock = threading.RLock()
         self._atexit_registered = False
         self._base_comm: Any = None
+        """The MPI communicator of the job, or its :class:`~baguahvd.backends.gloo.GlooWorld`."""
+        self.transport: Transport | None = None
+        # The gloo job's store, reached at the first init() and kept for later ones (rank 0
+        # may host it: a second one could not listen on the same port).
+        self._gloo_store: Any = None
         self._shutdown_callbacks: list[Callable[[], None]] = []
         self._stopped_engine: Engine | None = None
         self._previous_excepthook: Callable[..., Any] | None = None
@@ -96,9 +107,39 @@ class Runtime:
                 self._atexit_registered = True
 
     def _start(self, config: Config, comm: Any, process_sets: list[ProcessSet]) -> None:
+        for index, process_set in enumerate(process_sets):
+            if any(process_set is other for other in process_sets[:index]):
+                raise ValueError(
+                    "Horovod could not be initialized because process_sets entry number "
+                    f"{index} is a duplicate: {process_set}"
+                )
+        launch = launch_from_env()
+        transport = choose(config.cpu_backend, launch, comm)
+        if transport is Transport.GLOO:
+            base, topology, engine, resolved = self._connect_gloo(config, launch, comm,
+                                                                  process_sets)
+        else:
+            base, topology, engine, resolved = self._connect_mpi(config, comm, process_sets)
+        check_joined(launch, transport, topology.size)
+        for process_set, ranks in zip(process_sets, resolved):
+            process_set.ranks = ranks
+            process_set.bind(engine.register_process_set(ranks), self)
+        global_process_set.ranks = list(range(topology.size))
+        global_process_set.bind(GLOBAL_PROCESS_SET_ID, self)
+        self.config = config
+        self.topology = topology
+        self.transport = transport
+        self._base_comm = base
+        self.engine = engine
+        self._shut_down = False
+        engine.start()
+
+    def _connect_mpi(
+        self, config: Config, comm: Any, process_sets: list[ProcessSet]
+    ) -> tuple[Any, Any, Engine, list[list[int]]]:
         # backends.mpi is imported here, not at the top: importing it starts MPI, which
         # must wait until prepare_mpi has chosen the thread level, and must not happen on
-        # a mere ``import baguahvd.torch``.
+        # a mere ``import baguahvd.torch`` or in a gloo job.
         from baguahvd.backends import prepare_mpi
 
         prepare_mpi(config.mpi_threads_disable)
@@ -118,12 +159,6 @@ class Runtime:
                     "not in the list; only the listed ranks may call it."
                 )
             base = mpi.communicator_from_ranks(ranks)
-        for index, process_set in enumerate(process_sets):
-            if any(process_set is other for other in process_sets[:index]):
-                raise ValueError(
-                    "Horovod could not be initialized because process_sets entry number "
-                    f"{index} is a duplicate: {process_set}"
-                )
         topology = mpi.Topology(base)
         logging_setup.configure(topology.rank, config.log_level, config.log_hide_time)
         engine = Engine(config, mpi.MPIControlPlane(base), mpi.nccl_communicator)
@@ -137,24 +172,42 @@ class Runtime:
                 ranks = next((v for v in views if v is not None), [])
             else:
                 ranks = list(process_set.ranks or ())
-            check_ranks(ranks, topology.size)
-            if sorted(ranks) in resolved:
-                raise ValueError(
-                    "Horovod could not be initialized because process_sets entry number "
-                    f"{len(resolved)} is a duplicate: {process_set}"
-                )
+            _check_new(ranks, topology.size, resolved, process_set)
             resolved.append(sorted(ranks))
-        for process_set, ranks in zip(process_sets, resolved):
-            process_set.ranks = ranks
-            process_set.bind(engine.register_process_set(ranks), self)
-        global_process_set.ranks = list(range(topology.size))
-        global_process_set.bind(GLOBAL_PROCESS_SET_ID, self)
-        self.config = config
-        self.topology = topology
-        self._base_comm = base
-        self.engine = engine
-        self._shut_down = False
-        engine.start()
+        return base, topology, engine, resolved
+
+    def _connect_gloo(
+        self, config: Config, launch: Launch, comm: Any, process_sets: list[ProcessSet]
+    ) -> tuple[Any, Any, Engine, list[list[int]]]:
+        if comm is not None:
+            raise NotImplementedError(
+                "hvd.init(comm=...) needs MPI, but this job runs on gloo (started by torchrun "
+                "or horovodrun --gloo, or BAGUAHVD_CPU_BACKEND=gloo); register a process set "
+                "of those ranks instead: hvd.init(process_sets=[hvd.ProcessSet(ranks)])."
+            )
+        logging_setup.configure(launch.rank, config.log_level, config.log_hide_time)
+        # A collective waits for its peers as long as the watchdog lets it (0: forever).
+        group_timeout_s = config.peer_timeout_s or 7 * 24 * 3600.0
+        if self._gloo_store is None:
+            self._gloo_store = gloo.connect_store(launch, config.gloo_timeout_s)
+        world = gloo.GlooWorld(
+            self._gloo_store, launch.rank, launch.size, group_timeout_s + 60,
+            launch.interface, launch.restart,
+        )
+        control = gloo.GlooControlPlane(world)
+        topology = gloo.Topology(launch, control)
+        engine = Engine(config, control, gloo.device_communicator)
+        resolved: list[list[int]] = []
+        for process_set in process_sets:
+            if process_set.mpi_comm is not None:
+                raise NotImplementedError(
+                    "A process set given as an mpi4py communicator needs MPI, but this job "
+                    "runs on gloo; give its ranks instead: hvd.ProcessSet([...])."
+                )
+            ranks = list(process_set.ranks or ())
+            _check_new(ranks, topology.size, resolved, process_set)
+            resolved.append(sorted(ranks))
+        return world, topology, engine, resolved
 
     def shutdown(self) -> None:
         """Stops baguahvd on this rank; peers see their later collectives fail.
@@ -182,6 +235,10 @@ class Runtime:
             self._shut_down = True
             self._stopped_engine = engine
         engine.shutdown(failure)
+        if self.transport is Transport.GLOO:
+            # gloo's groups own threads that must be joined before the interpreter ends;
+            # left to exit, their destruction races with it and may abort the process.
+            engine.release()
 
     def _at_exit(self) -> None:
         # The exception that ended the script, if the excepthook did not see it (a user's
@@ -246,14 +303,18 @@ class Runtime:
         return cancel
 
     def new_communicator(self, ranks: Sequence[int] | None = None) -> MPICommunicator | None:
-        """A private MPI communicator for a thread of baguahvd's own (async model averaging):
-        a duplicate of the job's communicator, or of its ``ranks`` only.
+        """A private communicator for a thread of baguahvd's own (async model averaging):
+        a duplicate of the job's communicator, or of its ``ranks`` only (in a gloo job, a
+        gloo communicator with the same ``iallreduce``/``ibarrier`` methods).
 
         Collective: every rank (or every rank in ``ranks``) calls it, in the same order;
         non-members get ``None``. Using it from a thread other than the engine's needs
         MPI_THREAD_MULTIPLE (see :meth:`mpi_threads_supported`).
         """
         self.require_engine()
+        if self.transport is Transport.GLOO:
+            private: Any = self._base_comm.new_communicator(ranks)
+            return cast("MPICommunicator | None", private)
         from baguahvd.backends import mpi
 
         return mpi.new_communicator(self._base_comm, ranks)
@@ -303,18 +364,24 @@ class Runtime:
         return bool(self._require_topology().is_homogeneous)
 
     def mpi_threads_supported(self) -> bool:
-        """Whether MPI runs with MPI_THREAD_MULTIPLE (needs init)."""
+        """Whether MPI runs with MPI_THREAD_MULTIPLE (needs init); in a gloo job, whether
+        threads may communicate at the same time, which they always may."""
         self._require_topology()
+        if self.transport is Transport.GLOO:
+            return True
         from baguahvd.backends import mpi
 
         return mpi.threads_supported()
 
     def gloo_enabled(self) -> bool:
-        """Gloo is never used by baguahvd."""
-        return False
+        """Whether this job runs on gloo (it was started by torchrun, baguahvdrun --gloo or
+        horovodrun --gloo, or BAGUAHVD_CPU_BACKEND=gloo); False before ``init()``."""
+        return self.transport is Transport.GLOO
 
     def mpi_enabled(self) -> bool:
-        """Whether MPI is in use at run time: it always is for baguahvd when available."""
+        """Whether this job runs on MPI; before ``init()``, whether MPI is available."""
+        if self.transport is not None:
+            return self.transport is Transport.MPI
         return capabilities.mpi_built()
 
     # -- process sets ----------------------------------------------------------------------
@@ -394,6 +461,18 @@ class Runtime:
 
     # Horovod's name: its tests call ``hvd.mpi_ops._basics._get_process_set_ids_and_ranks()``.
     _get_process_set_ids_and_ranks = process_set_ids_and_ranks
+
+
+def _check_new(
+    ranks: list[int], size: int, resolved: list[list[int]], process_set: ProcessSet
+) -> None:
+    """Checks the ranks of the next process set given to ``init()``."""
+    check_ranks(ranks, size)
+    if sorted(ranks) in resolved:
+        raise ValueError(
+            "Horovod could not be initialized because process_sets entry number "
+            f"{len(resolved)} is a duplicate: {process_set}"
+        )
 
 
 def _failure(exc: BaseException | None) -> str | None:

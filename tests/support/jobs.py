@@ -200,6 +200,46 @@ def run_launcher(
     return subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
 
 
+def run_commands(
+    commands: Sequence[Sequence[str]],
+    cwd: pathlib.Path,
+    timeout: float,
+    envs: Sequence[Mapping[str, str]],
+) -> list[subprocess.CompletedProcess[str]]:
+    """Runs each command (with the :func:`job_env` updated by its entry of ``envs``) at
+    the same time, for launchers other than mpirun (torchrun, or the ranks themselves);
+    returns each one's output once all have ended.
+
+    Raises:
+        JobTimeoutError: they ran past ``timeout`` seconds together; all have been ended,
+            and the message carries their output.
+    """
+    __tracebackhide__ = True
+    jobs = [
+        subprocess.Popen(
+            list(command), cwd=cwd, env=job_env(env), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )
+        for command, env in zip(commands, envs)
+    ]
+    deadline = time.monotonic() + timeout
+    results = []
+    timed_out = False
+    for job in jobs:
+        try:
+            stdout, _ = job.communicate(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            stdout, _ = _end(job)
+        results.append(subprocess.CompletedProcess(job.args, job.returncode, stdout, ""))
+    if timed_out:
+        raise JobTimeoutError(
+            f"timed out after {timeout:.0f} s (a hang?)"
+            + "".join(f"\n===== {r.args} =====\n{r.stdout[-LOG_TAIL_CHARS:]}" for r in results)
+        )
+    return results
+
+
 @contextlib.contextmanager
 def started_launcher(
     args: Sequence[str],

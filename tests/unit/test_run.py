@@ -15,7 +15,7 @@ import pytest
 from baguahvd import __version__
 from baguahvd import run as run_module
 from baguahvd.common.shim import shim_path
-from baguahvd.runner import cli
+from baguahvd.runner import cli, local_gloo
 from baguahvd.runner.allocation import MPI_HOSTFILE_VARIABLES
 from baguahvd.runner.hosts import LaunchError
 from baguahvd.runner.mpirun import MpirunNotFoundError, build_command, find_mpirun, probe_mpirun
@@ -410,10 +410,10 @@ def test_check_build(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert out.startswith(f"baguahvd v{__version__}:\n")
     assert "    [X] PyTorch\n" in out and "    [ ] TensorFlow\n" in out
-    assert "Available Controllers:\n    [X] MPI\n    [ ] Gloo\n" in out
+    assert "Available Controllers:\n    [X] MPI\n    [X] Gloo\n" in out
     assert (
         "Available Tensor Operations:\n    [ ] NCCL\n    [ ] DDL\n    [ ] CCL\n"
-        "    [X] MPI\n    [ ] Gloo\n"
+        "    [X] MPI\n    [X] Gloo\n"
     ) in out
     assert cli.main(["-cb"]) == 0
     assert capsys.readouterr().out == out
@@ -617,11 +617,7 @@ def test_every_horovodrun_option_is_accepted(
     assert "error" not in capsys.readouterr().err
 
 
-def test_gloo_is_refused_with_a_note(
-    exec_calls: list[tuple[str, list[str], dict[str, str]]], capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert cli.main(["-np", "2", "--gloo", "python", "train.py"]) == 2
-    assert "Gloo controller" in capsys.readouterr().err and not exec_calls
+def test_gloo_and_mpi_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["-np", "2", "--gloo", "--mpi", "python"]) == 2
     assert "not allowed with argument" in capsys.readouterr().err
 
@@ -872,12 +868,16 @@ def test_command_line_wins_over_config_file(tmp_path: Path) -> None:
     assert env["HOROVOD_CYCLE_TIME"] == "2.5"
 
 
-def test_config_file_controller_gloo_is_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_config_file_controller_gloo_launches_with_gloo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = write_config(tmp_path, "controller: gloo\n")
-    assert cli.main(["-np", "1", "--config-file", path, "python"]) == 2
-    assert "Gloo controller" in capsys.readouterr().err
+    started: list[list[dict[str, str]]] = []
+    monkeypatch.setattr(
+        local_gloo, "run_ranks", lambda command, envs: started.append(list(envs)) or 0
+    )
+    assert cli.main(["-np", "1", "--config-file", path, "python"]) == 0
+    assert [env["RANK"] for env in started[0]] == ["0"]
     args = cli.parse_args(["-np", "1", "--mpi", "--config-file", path, "python"])
     assert args.use_mpi and not args.use_gloo
 

@@ -1,0 +1,250 @@
+"""The gloo data plane: collectives on CPU tensors over a torch ``ProcessGroupGloo``.
+
+The process groups are built directly on a store (see :mod:`~baguahvd.backends.gloo.setup`),
+never through ``torch.distributed.init_process_group``: baguahvd leaves torch's default group
+to the user, and a group of some ranks can then be made by its members alone.
+
+Reductions of float16/bfloat16 are carried out in float32 and rounded once at the end, as
+the MPI data plane does, so both transports give the same numbers. Byte-moving collectives
+(allgather, broadcast, alltoall, sendrecv) send the raw bytes, so they work for every dtype.
+Gloo's allgather wants blocks of one size, so blocks are padded to the largest; its
+reduce-scatter wants equal blocks too, so unequal ones are reduced in full and sliced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from baguahvd.backends.base import Communicator
+from baguahvd.common.ops import ReduceOp
+
+_GLOO_OPS: dict[ReduceOp, Any] = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+}
+
+_REDUCIBLE = (
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float32, torch.float64,
+)
+
+# Reduced in float32, as the MPI data plane does.
+_WIDENED = (torch.float16, torch.bfloat16)
+
+
+def reduce_options(op: ReduceOp | Any) -> Any:
+    """gloo's options of an allreduce with ``op`` (a :class:`ReduceOp` or a torch one)."""
+    options = dist.AllreduceOptions()
+    if isinstance(op, ReduceOp):
+        try:
+            options.reduceOp = _GLOO_OPS[op]
+        except KeyError:
+            raise ValueError(f"The gloo backend cannot reduce with {op.name} directly.") from None
+    else:
+        options.reduceOp = op
+    return options
+
+
+def _check_reducible(tensor: torch.Tensor) -> None:
+    if tensor.dtype not in _REDUCIBLE and tensor.dtype not in _WIDENED:
+        raise TypeError(f"The gloo backend cannot reduce tensors of type {tensor.dtype}.")
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The contiguous tensor's storage as a flat uint8 tensor (a view, no copy)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype == torch.bool:
+        flat = flat.view(torch.uint8)
+    return flat.view(torch.uint8)
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat view of ``tensor``; it must be contiguous, so that writes reach it."""
+    if not tensor.is_contiguous():
+        raise ValueError("The gloo backend needs contiguous tensors.")
+    return tensor.detach().view(-1)
+
+
+def wait(work: Any) -> None:
+    """Waits for gloo ``work``; gloo's wait releases the GIL while it blocks."""
+    work.wait()
+
+
+class GlooCommunicator(Communicator):
+    """A :class:`Communicator` over a ``ProcessGroupGloo`` (CPU tensors)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+
+    def allreduce(self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp) -> None:
+        work, wide = self._start_allreduce(tensor_in, tensor_out, op)
+        wait(work)
+        if wide is not None:
+            _flat(tensor_out).copy_(wide)
+
+    def _start_allreduce(
+        self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp
+    ) -> tuple[Any, torch.Tensor | None]:
+        """Starts the reduction; returns the work and, for float16/bfloat16, the float32
+        buffer that holds the result until it is copied into ``tensor_out``."""
+        _check_reducible(tensor_out)
+        options = reduce_options(op)
+        if tensor_out.dtype in _WIDENED:
+            wide = tensor_in.detach().float().reshape(-1)
+            return self.group.allreduce([wide], options), wide
+        out = _flat(tensor_out)
+        if tensor_in.data_ptr() != tensor_out.data_ptr():
+            out.copy_(tensor_in.detach().reshape(-1))
+        return self.group.allreduce([out], options), None
+
+    def allgather(
+        self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, counts: Sequence[int]
+    ) -> None:
+        item = tensor_out.element_size()
+        block = max(counts) * item
+        mine = torch.zeros(block, dtype=torch.uint8)
+        mine[: counts[self.rank] * item].copy_(
+            _bytes(tensor_in.contiguous())[: counts[self.rank] * item]
+        )
+        blocks = [torch.empty(block, dtype=torch.uint8) for _ in range(self.size)]
+        wait(self.group.allgather([blocks], [mine]))
+        out = _bytes(tensor_out)
+        offset = 0
+        for count, received in zip(counts, blocks):
+            length = count * item
+            out[offset : offset + length].copy_(received[:length])
+            offset += length
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        wait(self.group.broadcast([_bytes(_contiguous(tensor))], options))
+
+    def alltoall(
+        self,
+        tensor_in: torch.Tensor,
+        send_counts: Sequence[int],
+        tensor_out: torch.Tensor,
+        recv_counts: Sequence[int],
+    ) -> None:
+        item = tensor_in.element_size()
+        send = [c * item for c in send_counts]
+        recv = [c * item for c in recv_counts]
+        source = _bytes(tensor_in.contiguous())[: sum(send)]
+        target = _bytes(_contiguous(tensor_out))[: sum(recv)]
+        wait(self.group.alltoall_base(target, source, recv, send, dist.AllToAllOptions()))
+
+    def reduce_scatter(
+        self,
+        tensor_in: torch.Tensor,
+        tensor_out: torch.Tensor,
+        counts: Sequence[int],
+        op: ReduceOp,
+    ) -> None:
+        total = sum(counts)
+        reduced = torch.empty(total, dtype=tensor_in.dtype)
+        self.allreduce(tensor_in.detach().reshape(-1)[:total], reduced, op)
+        start = sum(counts[: self.rank])
+        tensor_out.view(-1)[: counts[self.rank]].copy_(reduced[start : start + counts[self.rank]])
+
+    def sendrecv(self, tensor_out: torch.Tensor, tensor_in: torch.Tensor, peer: int) -> None:
+        sent = self.group.send([_bytes(tensor_out.contiguous())], peer, 0)
+        received = self.group.recv([_bytes(_contiguous(tensor_in))], peer, 0)
+        wait(sent)
+        wait(received)
+
+    def barrier(self) -> None:
+        wait(self.group.barrier())
+
+    def iallreduce(
+        self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp
+    ) -> PendingWork:
+        """Starts :meth:`allreduce` without waiting; ``tensor_out`` holds the result once
+        the returned request's ``test()`` is True. Both tensors must stay untouched until
+        then."""
+        work, wide = self._start_allreduce(tensor_in, tensor_out, op)
+        if wide is None:
+            return PendingWork(work, (tensor_in, tensor_out))
+        return PendingWork(work, (wide,), lambda: _flat(tensor_out).copy_(wide))
+
+    def ibarrier(self) -> PendingWork:
+        """Starts :meth:`barrier` without waiting."""
+        return PendingWork(self.group.barrier(), ())
+
+    def free(self) -> None:
+        self.group = None
+
+
+def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    if not tensor.is_contiguous():
+        raise ValueError("The gloo backend needs contiguous output tensors.")
+    return tensor
+
+
+class PendingWork:
+    """A started gloo collective, polled with :meth:`test` (the MPI backend's
+    ``PendingRequest`` contract)."""
+
+    def __init__(
+        self,
+        work: Any,
+        keep_alive: tuple[torch.Tensor, ...],
+        finish: Callable[[], object] | None = None,
+    ) -> None:
+        self._work = work
+        self._keep_alive = keep_alive
+        self._finish = finish
+        self._done = False
+
+    def test(self) -> bool:
+        """Whether the collective has completed (its output is then in place)."""
+        if not self._done and self._work.is_completed():
+            self._work.wait()  # raises the collective's error, if any
+            self._done = True
+            if self._finish is not None:
+                self._finish()
+            self._keep_alive = ()
+        return self._done
+
+
+def poll(work: Any, waiting: Callable[[], None] | None) -> None:
+    """Waits for gloo ``work`` by testing between short sleeps (which leave the CPU and the
+    GIL to others); ``waiting()`` is called between tests once the wait is no longer short
+    and may raise to give up.
+
+    Where MPI would wait forever for a peer that died, gloo fails the collective as soon as
+    the peer's connection closes. The error names an address, not a rank; so ``waiting()``
+    is given :data:`ATTRIBUTION_S` seconds more first, in which the engine's watchdog
+    usually names the rank that died (or a peer's alarm says why it left), before gloo's
+    error is raised.
+    """
+    delay = 5e-6
+    while not work.is_completed():
+        time.sleep(delay)
+        if delay < 1e-4:
+            delay = min(delay * 2, 1e-4)
+        elif waiting is not None:
+            waiting()
+    try:
+        work.wait()
+    except RuntimeError:
+        if waiting is None:
+            raise
+        deadline = time.monotonic() + ATTRIBUTION_S
+        while time.monotonic() < deadline:
+            waiting()
+            time.sleep(0.05)
+        raise
+
+
+ATTRIBUTION_S = 5.0
+"""How long :func:`poll` lets the engine name a failed peer before raising gloo's error."""

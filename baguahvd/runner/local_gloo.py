@@ -1,0 +1,146 @@
+"""``baguahvdrun --gloo``: the ranks as child processes of the launcher, joined by gloo.
+
+No mpirun: the launcher picks a free TCP port, starts ``-np`` copies of the command on this
+machine with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GROUP_RANK, MASTER_ADDR, MASTER_PORT), and rank 0's ``hvd.init()`` hosts the job's TCP store
+on that port (the launcher never imports torch). Each rank writes to the launcher's own
+stdout and stderr, unprefixed.
+
+The children run in sessions of their own, so a signal meant for the job reaches them once:
+SIGINT, SIGTERM and SIGHUP sent to the launcher are passed on to every rank. Once a rank
+fails, the others get :data:`GRACE_S` seconds to end (baguahvd makes their collectives fail
+at once), then SIGTERM, then SIGKILL. The exit status is the worst of the ranks' (a rank
+ended by signal N counts as 128 + N).
+
+Only this machine's slots can be used: ranks on other hosts would need a remote starter,
+which ``--gloo`` does not have here (use mpirun, the default, for those).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from types import FrameType
+
+from baguahvd.runner.hosts import Host, LaunchError, is_local
+from baguahvd.runner.mpirun import rank_environment
+
+GRACE_S = 30.0
+"""Seconds the other ranks get to end by themselves after one failed."""
+
+KILL_AFTER_S = 10.0
+"""Seconds between SIGTERM and SIGKILL for ranks that outlive the grace period."""
+
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+# Variables of other launchers that would make a rank believe it runs under them.
+_FOREIGN_PREFIXES = ("OMPI_COMM_WORLD_", "PMIX_", "PMI_")
+_FOREIGN_NAMES = (
+    "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+    "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "TORCHELASTIC_USE_AGENT_STORE",
+)
+
+
+def free_port() -> int:
+    """A TCP port that nothing listens on now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def check_local(hosts: Sequence[Host]) -> None:
+    """Raises LaunchError naming the hosts that are not this machine."""
+    remote = [host.name for host in hosts if not is_local(host.name)]
+    if remote:
+        raise LaunchError(
+            f"--gloo starts the ranks on this machine only, but the hosts include "
+            f"{', '.join(remote)}; launch across machines without --gloo (mpirun), or run "
+            "torchrun on each machine"
+        )
+
+
+def rank_environments(
+    args: argparse.Namespace, env: Mapping[str, str], num_proc: int, port: int
+) -> list[dict[str, str]]:
+    """Each rank's environment: the options' variables (as for mpirun) plus torchrun's."""
+    base, _ = rank_environment(args, env)
+    for name in list(base):
+        if name.startswith(_FOREIGN_PREFIXES) or name in _FOREIGN_NAMES:
+            del base[name]
+    base.update(
+        WORLD_SIZE=str(num_proc),
+        LOCAL_WORLD_SIZE=str(num_proc),
+        GROUP_RANK="0",
+        GROUP_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        BAGUAHVD_CPU_BACKEND="gloo",
+    )
+    return [dict(base, RANK=str(rank), LOCAL_RANK=str(rank)) for rank in range(num_proc)]
+
+
+def exit_status(returncode: int) -> int:
+    """A child's status as a shell reports it (128 + N when signal N ended it)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run_ranks(command: Sequence[str], environments: Sequence[Mapping[str, str]]) -> int:
+    """Starts one process per environment and waits for all; returns the worst status."""
+    children: list[subprocess.Popen[bytes]] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        for environment in environments:
+            children.append(
+                subprocess.Popen(list(command), env=dict(environment), start_new_session=True)
+            )
+        return _wait(children)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+
+
+def _wait(children: Sequence[subprocess.Popen[bytes]]) -> int:
+    failed_at: float | None = None
+    terminated_at: float | None = None
+    while True:
+        codes = [child.poll() for child in children]
+        if all(code is not None for code in codes):
+            return max(exit_status(code) for code in codes if code is not None)
+        now = time.monotonic()
+        if failed_at is None and any(code not in (None, 0) for code in codes):
+            failed_at = now
+        if failed_at is not None and terminated_at is None and now - failed_at > GRACE_S:
+            terminated_at = now
+            for child in children:
+                if child.poll() is None:
+                    child.terminate()
+        if terminated_at is not None and now - terminated_at > KILL_AFTER_S:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+        time.sleep(0.05)
+
+
+def launch(args: argparse.Namespace, env: Mapping[str, str], hosts: Sequence[Host],
+           num_proc: int) -> int:
+    """Runs ``args.command`` on ``num_proc`` local ranks; returns the worst exit status.
+
+    Raises:
+        LaunchError: some host is not this machine.
+    """
+    check_local(hosts)
+    return run_ranks(args.command, rank_environments(args, env, num_proc, free_port()))

@@ -1,0 +1,224 @@
+"""The gloo data plane and control plane, with the ranks as threads of one process over
+one in-memory store (torch's ``HashStore``): the same calls a job's ranks make."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from baguahvd.backends.gloo import GlooControlPlane, GlooWorld, communicator
+from baguahvd.common.ops import ReduceOp
+
+
+def run_ranks(size: int, body: Callable[[GlooControlPlane], Any]) -> list[Any]:
+    """Runs ``body(control plane)`` on ``size`` ranks (threads); returns each result."""
+    store = dist.HashStore()
+    results: list[Any] = [None] * size
+    errors: list[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            world = GlooWorld(store, rank, size, group_timeout_s=30)
+            results[rank] = body(GlooControlPlane(world))
+        except BaseException as exc:  # reported below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_negotiation_calls() -> None:
+    def body(control: GlooControlPlane) -> Any:
+        words = np.array([0xFF, 0x0F if control.rank else 0xF3], dtype=np.uint8)
+        return (
+            control.bitwise_and(words).tolist(),
+            control.gather({"rank": control.rank, "pad": "x" * control.rank * 50}),
+            control.broadcast(f"from {control.rank}"),
+            control.allgather_ints([control.rank, 7]),
+        )
+
+    results = run_ranks(3, body)
+    for rank, (anded, gathered, broadcast, ints) in enumerate(results):
+        assert anded == [0xFF, 0x03]
+        if rank == 0:
+            assert [g["rank"] for g in gathered] == [0, 1, 2]
+            assert len(gathered[2]["pad"]) == 100
+        else:
+            assert gathered is None
+        assert broadcast == "from 0"
+        assert ints == [[0, 7], [1, 7], [2, 7]]
+
+
+def test_data_collectives() -> None:
+    def body(control: GlooControlPlane) -> Any:
+        comm = control.create_group_comm(range(control.size))
+        assert comm is not None
+        rank, size = comm.rank, comm.size
+        out: dict[str, Any] = {}
+        x = torch.full((4,), float(rank + 1))
+        y = torch.empty(4)
+        comm.allreduce(x, y, ReduceOp.SUM)
+        out["sum"] = y.tolist()
+        h = torch.full((3,), rank + 1.0, dtype=torch.float16)
+        comm.allreduce(h, h, ReduceOp.MAX)
+        out["max16"] = h.tolist()
+        counts = [r + 1 for r in range(size)]
+        gathered = torch.empty(sum(counts), dtype=torch.int32)
+        comm.allgather(torch.full((rank + 1,), rank, dtype=torch.int32), gathered, counts)
+        out["allgather"] = gathered.tolist()
+        flag = torch.tensor([rank == 1, True])
+        comm.broadcast(flag, 1)
+        out["broadcast"] = flag.tolist()
+        send = torch.arange(size, dtype=torch.float64) + 10 * rank
+        received = torch.empty(size, dtype=torch.float64)
+        comm.alltoall(send, [1] * size, received, [1] * size)
+        out["alltoall"] = received.tolist()
+        block = torch.empty(rank + 1)
+        comm.reduce_scatter(torch.ones(sum(counts)), block, counts, ReduceOp.SUM)
+        out["reduce_scatter"] = block.tolist()
+        peer = torch.empty(2)
+        comm.sendrecv(torch.full((2,), float(rank)), peer, rank ^ 1 if size % 2 == 0 else rank)
+        out["sendrecv"] = peer.tolist()
+        pending = comm.iallreduce(x, x, ReduceOp.PRODUCT)
+        while not pending.test():
+            pass
+        out["product"] = x.tolist()
+        comm.barrier()
+        return out
+
+    results = run_ranks(2, body)
+    for rank, out in enumerate(results):
+        assert out["sum"] == [3.0] * 4
+        assert out["max16"] == [2.0] * 3
+        assert out["allgather"] == [0, 1, 1]
+        assert out["broadcast"] == [True, True]
+        assert out["alltoall"] == [float(rank), 10.0 + rank]
+        assert out["reduce_scatter"] == [2.0] * (rank + 1)
+        assert out["sendrecv"] == [float(rank ^ 1)] * 2
+        assert out["product"] == [2.0] * 4
+
+
+def test_group_of_some_ranks_is_made_by_its_members_only() -> None:
+    def body(control: GlooControlPlane) -> Any:
+        comm = control.create_group_comm([0, 2])
+        if comm is None:
+            return None
+        t = torch.tensor([control.rank])
+        comm.allreduce(t, t, ReduceOp.SUM)
+        return (comm.rank, comm.size, t.item())
+
+    assert run_ranks(3, body) == [(0, 2, 2), None, (1, 2, 2)]
+
+
+def test_alarms_acknowledgements_and_exit_barrier() -> None:
+    barrier = threading.Barrier(2)
+
+    def body(control: GlooControlPlane) -> Any:
+        if control.rank == 0:
+            control.raise_alarm({"why": "boom"}, [1])
+            while control.acknowledged() != {1}:
+                pass
+            received = None
+        else:
+            received = None
+            while received is None:
+                received = control.poll_alarm()
+            control.acknowledge(received[0])
+            assert control.poll_alarm() is None
+        barrier.wait()
+        return received, control.exit_barrier(10)
+
+    results = run_ranks(2, body)
+    assert results[0] == (None, True)
+    assert results[1] == ((0, {"why": "boom"}), True)
+
+
+def test_exit_barrier_times_out_while_a_rank_is_missing() -> None:
+    late = threading.Event()
+
+    def body(control: GlooControlPlane) -> Any:
+        if control.rank == 0:
+            alone = control.exit_barrier(0.1)
+            late.set()
+            return alone
+        late.wait()
+        return control.exit_barrier(10)
+
+    assert run_ranks(2, body) == [False, True]
+
+
+def test_unknown_dtype_is_named() -> None:
+    def body(control: GlooControlPlane) -> Any:
+        comm = control.create_group_comm(range(control.size))
+        assert comm is not None
+        with pytest.raises(TypeError, match="complex64"):
+            comm.allreduce(torch.zeros(2, dtype=torch.complex64), torch.zeros(2,
+                           dtype=torch.complex64), ReduceOp.SUM)
+
+    run_ranks(2, body)
+
+
+def test_only_the_backends_import_torch_distributed() -> None:
+    # import-linter cannot forbid a subpackage of an external package, so this looks.
+    root = pathlib.Path(__file__).resolve().parents[2] / "baguahvd"
+    offenders = []
+    for path in root.rglob("*.py"):
+        if path.is_relative_to(root / "backends"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.")
+                   for n in names):
+                offenders.append(str(path.relative_to(root)))
+    assert offenders == []
+
+
+class _FailedWork:
+    """A gloo work whose peer closed its connection."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
+
+
+def test_a_failed_collective_leaves_the_engine_time_to_name_the_peer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class PeerNamed(Exception):
+        pass
+
+    calls = []
+
+    def waiting() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise PeerNamed
+
+    with pytest.raises(PeerNamed):
+        communicator.poll(_FailedWork(), waiting)
+    monkeypatch.setattr(communicator, "ATTRIBUTION_S", 0.1)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        communicator.poll(_FailedWork(), lambda: None)
+    with pytest.raises(RuntimeError, match="Connection closed"):
+        communicator.poll(_FailedWork(), None)

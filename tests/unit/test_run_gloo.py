@@ -1,0 +1,64 @@
+"""``baguahvdrun --gloo``: the ranks' environments, local hosts only, exit statuses, and
+a real launch of small commands (no torch needed)."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from baguahvd.runner import cli, local_gloo
+from baguahvd.runner.hosts import Host, LaunchError
+
+
+def test_rank_environments() -> None:
+    args = cli.parse_args(["-np", "2", "--gloo", "--fusion-threshold-mb", "1", "-x", "A=b",
+                           "python", "t.py"])
+    parent = {"PATH": "/bin", "OMPI_COMM_WORLD_SIZE": "4", "HOROVOD_RANK": "3"}
+    envs = local_gloo.rank_environments(args, parent, 2, 12345)
+    assert [(e["RANK"], e["LOCAL_RANK"]) for e in envs] == [("0", "0"), ("1", "1")]
+    for env in envs:
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "12345")
+        assert env["BAGUAHVD_CPU_BACKEND"] == "gloo"
+        assert env["HOROVOD_FUSION_THRESHOLD"] == str(1024 * 1024) and env["A"] == "b"
+        # Another launcher's variables would make the rank think it runs under it.
+        assert "OMPI_COMM_WORLD_SIZE" not in env and "HOROVOD_RANK" not in env
+        assert env["PATH"] == "/bin"
+
+
+def test_remote_hosts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(LaunchError, match="node7"):
+        local_gloo.check_local([Host("localhost", 1), Host("node7", 1)])
+    assert cli.main(["-np", "2", "--gloo", "-H", "node7:2", "python", "t.py"]) == 2
+    assert "this machine only" in capsys.readouterr().err
+    assert cli.main(["-np", "2", "--gloo", "--elastic", "--min-np", "1", "-H", "localhost:2",
+                     "python"]) == 2
+
+
+def test_exit_status() -> None:
+    assert local_gloo.exit_status(0) == 0
+    assert local_gloo.exit_status(3) == 3
+    assert local_gloo.exit_status(-signal.SIGKILL) == 128 + signal.SIGKILL
+
+
+def test_worst_status_wins(tmp_path: Path) -> None:
+    script = "import os, sys; sys.exit(int(os.environ['RANK']) * 3)"
+    envs = local_gloo.rank_environments(
+        cli.parse_args(["-np", "3", "--gloo", "python"]), {}, 3, 1
+    )
+    assert local_gloo.run_ranks([sys.executable, "-c", script], envs) == 6
+
+
+def test_a_failed_rank_ends_the_others_after_the_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local_gloo, "GRACE_S", 0.2)
+    script = "import os, sys, time; os.environ['RANK'] == '0' and sys.exit(5); time.sleep(60)"
+    envs = local_gloo.rank_environments(
+        cli.parse_args(["-np", "2", "--gloo", "python"]), {}, 2, 1
+    )
+    started = time.monotonic()
+    assert local_gloo.run_ranks([sys.executable, "-c", script], envs) == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 20
