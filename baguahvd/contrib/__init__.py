@@ -6,9 +6,15 @@ from baguahvd.contrib.fused_optimizer import (
     fuse_optimizer,
     is_fused_optimizer,
 )
+from baguahvd.contrib.load_balancing import (
+    LoadBalancingDistributedBatchSampler,
+    LoadBalancingDistributedSampler,
+)
 
 __all__ = [
     "AlreadyFusedError",
+    "LoadBalancingDistributedBatchSampler",
+    "LoadBalancingDistributedSampler",
     "UnsupportedOptimizerError",
     "fuse_optimizer",
     "is_fused_optimizer",
