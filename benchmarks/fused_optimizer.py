@@ -13,7 +13,9 @@ Rows, per optimizer and parameter set:
 - ``fuse_optimizer``: ``fuse_optimizer(opt)`` with gradients left in its buffer, as after
   ``zero_grad(set_to_none=False)``;
 - ``fuse_optimizer+copy``: the same with fresh gradient tensors every step, as after
-  ``zero_grad(set_to_none=True)``: the step first copies them into the buffer.
+  ``zero_grad(set_to_none=True)``: the step first copies them into the buffer;
+- ``fuse_optimizer(fused)``: ``fuse_optimizer`` over torch's ``fused=True`` optimizer, so
+  each flat buffer is updated by torch's fused kernel (gradients in the buffer).
 
 Each candidate runs ``--iters`` steps per round after a warm-up, in ``--rounds`` interleaved
 rounds; the table shows the median time per step, and each ratio is unfused time over the
@@ -88,6 +90,10 @@ def candidates(sizes: list[int], name: str) -> dict[str, tuple[Any, bool] | None
             rows[option] = None
     rows["fuse_optimizer"] = (make(sizes, name, True, foreach=False), False)
     rows["fuse_optimizer+copy"] = (make(sizes, name, True, foreach=False), True)
+    try:
+        rows["fuse_optimizer(fused)"] = (make(sizes, name, True, fused=True), False)
+    except (RuntimeError, TypeError, ValueError):
+        rows["fuse_optimizer(fused)"] = None
     return rows
 
 
@@ -98,7 +104,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    columns = ["foreach", "fused", "fuse_optimizer", "fuse_optimizer+copy"]
+    columns = ["foreach", "fused", "fuse_optimizer", "fuse_optimizer+copy", "fuse_optimizer(fused)"]
     print(f"torch {torch.__version__}, {args.threads} thread(s); unfused ms/step, then "
           "speed-up over unfused (unfused time / candidate time)")
     print(f"| parameters | optimizer | unfused ms | {' | '.join(columns)} |")

@@ -12,16 +12,17 @@ Each ``step()``:
 1. checks every bucket (data pointers of the parameters, gradients and state against the
    buffers): a gradient that autograd allocated afresh (after ``zero_grad(set_to_none=True)``)
    or state that ``load_state_dict`` replaced is copied back into the buffer and re-viewed;
-   a bucket in a state that fusing would change (some gradients ``None``, state not created
-   yet, per-parameter scalars such as ``step`` that differ, a state entry of another
-   shape) is stepped unfused this time, parameter by parameter, exactly as without fusion;
+   a bucket in a state that fusing would change (some but not all gradients ``None``,
+   per-parameter scalars such as ``step`` that differ, a state entry of another shape) is
+   stepped unfused this time, parameter by parameter, exactly as without fusion;
 2. puts the flat parameters (and the unfused ones) into ``param_groups`` and their state
    into ``optimizer.state`` for the duration of the original ``step()``, then restores both,
    so the user, ``state_dict()`` and schedulers only ever see the original parameters;
-3. writes per-parameter scalars (``step``) back from the flat state.
+3. writes per-parameter scalars (``step``) back from the flat state. State that the step
+   created lazily on a flat parameter (Adam's moments at the first step) is handed to the
+   parameters: per-element tensors as views, 0-d tensors as views of one buffer.
 
-State that the first step creates lazily is therefore created unfused and flattened at the
-second step. The update is the optimizer's own code run on bigger tensors, so it is
+The update is the optimizer's own code run on bigger tensors, so it is
 bit-identical to the unfused optimizer for optimizers whose update is elementwise; an
 optimizer that looks at a tensor's shape or norm (LBFGS, Adafactor, LAMB-like trust ratios)
 would compute something else and is refused where torch ships it.
@@ -42,6 +43,7 @@ _ATTRIBUTE = "_baguahvd_fusion"
 
 # torch optimizers whose update is not elementwise (or whose state is not per element).
 _NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+_PERSISTENT = 3  # unfused steps in a row of one bucket before a warning
 
 
 class AlreadyFusedError(ValueError):
@@ -67,6 +69,7 @@ class _Bucket:
     plain: dict[str, Any] = field(default_factory=dict)  # non-tensor state, e.g. None
     scalars_checked: bool = False
     grad_views: list[torch.Tensor] = field(default_factory=list)  # views of grad_buffer
+    unfused_in_a_row: int = 0
 
     def slices(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         return [
@@ -112,8 +115,9 @@ class _Fusion:
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
         alone: list[torch.Tensor] = []
         for p in params:
-            # 0-d parameters would make 0-d state (``step``) look per-element.
-            if p.is_sparse or not p.is_contiguous() or p.dim() == 0:
+            # 0-d parameters would make 0-d state (``step``) look per-element; frozen ones
+            # never have a gradient and would keep their bucket unfused.
+            if p.is_sparse or not p.is_contiguous() or p.dim() == 0 or not p.requires_grad:
                 alone.append(p)
             else:
                 by_kind[(p.dtype, p.device)].append(p)
@@ -280,6 +284,20 @@ class _Fusion:
                     state[key] = value
         bucket.scalars_checked = True
 
+    def _unfused(self, bucket: _Bucket) -> None:
+        bucket.scalars_checked = False
+        bucket.unfused_in_a_row += 1
+        self.unfused_steps += 1
+        if bucket.unfused_in_a_row == _PERSISTENT:
+            warnings.warn(
+                f"fuse_optimizer: {len(bucket.params)} parameters of dtype "
+                f"{bucket.flat.dtype} were stepped unfused {_PERSISTENT} times in a row: some "
+                "have no gradient, or their state differs (e.g. a step count behind after "
+                "steps without a gradient). Results are right but not faster; give them a "
+                "param group of their own, or zero their gradients instead of setting None",
+                stacklevel=4,
+            )
+
     # -- the step --------------------------------------------------------------------------
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -309,9 +327,9 @@ class _Fusion:
                     state[bucket.flat].update(bucket.elementwise)
                     stepped.append(bucket.flat)
                     fused.append(bucket)
+                    bucket.unfused_in_a_row = 0
                 else:
-                    bucket.scalars_checked = False
-                    self.unfused_steps += 1
+                    self._unfused(bucket)
                     stepped.extend(bucket.params)
             stepped.extend(plan[2])
             group["params"] = stepped
@@ -367,10 +385,11 @@ def fuse_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     allocated after ``zero_grad(set_to_none=True)`` (the default) are copied into the buffer
     (one copy per bucket; ``zero_grad(set_to_none=False)`` avoids it), state loaded by
     ``load_state_dict()`` and parameters whose ``.data`` was reassigned are re-flattened. A
-    bucket that fusing would change is stepped unfused for that step: some but not all of
-    its gradients ``None``, lazily created state (the first step of Adam, SGD with momentum,
-    ...), per-parameter scalars such as ``step`` that differ. ``step(closure)`` calls the
-    closure first. Parameter groups added later stay unfused.
+    bucket that fusing would change is stepped unfused for that step (some but not all of
+    its gradients ``None``, per-parameter scalars such as ``step`` that differ), with a
+    warning after 3 such steps in a row. State created lazily by a step is created on the
+    flat buffers. ``step(closure)`` calls the closure first. Frozen, 0-d, sparse and
+    non-contiguous parameters, and parameter groups added later, stay unfused.
 
     With ``hvd.DistributedOptimizer``, wrap first and fuse the result
     (``fuse_optimizer(hvd.DistributedOptimizer(opt))``): ``DistributedOptimizer`` builds a

@@ -1,4 +1,5 @@
-"""fuse_optimizer(hvd.DistributedOptimizer(...)) on every rank.
+"""fuse_optimizer(hvd.DistributedOptimizer(...)) on every rank, Horovod's path and Bagua's
+algorithms.
 
 Each rank trains on its own data. The fused job must keep every rank's parameters
 identical, equal bit for bit to the same job unfused, and close to a single-process oracle
@@ -27,22 +28,29 @@ MAKERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 STEPS = 4
 
 
-def mlp() -> nn.Module:
+def mlp(dtype: torch.dtype = torch.float64) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3)).double()
+    return nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 3)).to(dtype)
 
 
 def loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + rank)
-    x = torch.randn(6, 5, generator=g, dtype=torch.float64)
-    y = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(6, 5, generator=g, dtype=dtype)
+    y = torch.randn(6, 3, generator=g, dtype=dtype)
     return nn.functional.mse_loss(model(x), y)
 
 
-def train(rank: int, make: Callable[[Any], torch.optim.Optimizer], fused: bool) -> nn.Module:
-    model = mlp()
+def train(
+    rank: int,
+    make: Callable[[Any], torch.optim.Optimizer],
+    fused: bool,
+    algorithm: str | None = None,
+) -> nn.Module:
+    # The compressing algorithms take float32, float16 and bfloat16 only.
+    model = mlp(torch.float64 if algorithm is None else torch.float32)
     optimizer = hvd.DistributedOptimizer(
-        make(model.parameters()), named_parameters=model.named_parameters()
+        make(model.parameters()), named_parameters=model.named_parameters(), algorithm=algorithm
     )
     if fused:
         optimizer = fuse_optimizer(optimizer)
@@ -53,6 +61,9 @@ def train(rank: int, make: Callable[[Any], torch.optim.Optimizer], fused: bool) 
         optimizer.step()
     if fused:
         assert vars(optimizer)["_baguahvd_fusion"].fused_steps > 0
+    close = getattr(optimizer, "close", None)
+    if close is not None:
+        close()
     return model
 
 
@@ -74,3 +85,11 @@ def test_fused_distributed_optimizer(rank: int, size: int, name: str) -> None:
         for other in gathered:
             assert torch.equal(other, p.detach().reshape(-1))
         torch.testing.assert_close(p, o, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "bytegrad", "decentralized"])
+def test_fused_with_bagua_algorithms(rank: int, size: int, algorithm: str) -> None:
+    fused = train(rank, MAKERS["adam"], fused=True, algorithm=algorithm)
+    plain = train(rank, MAKERS["adam"], fused=False, algorithm=algorithm)
+    for p, q in zip(fused.parameters(), plain.parameters()):
+        assert torch.equal(p, q)

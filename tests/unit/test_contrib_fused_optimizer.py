@@ -29,6 +29,7 @@ OPTIMIZERS: dict[str, MakeOptimizer] = {
     "adam": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=1e-3),
     "adam_amsgrad": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True),
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "sgd_foreach": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-2, momentum=0.5, centered=True),
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=1e-3, weight_decay=1e-3),
 }
@@ -146,8 +147,9 @@ def test_partial_grads_and_replaced_data_fall_back_correctly() -> None:
         m[4].weight.requires_grad_(True)
         with torch.no_grad():
             m[0].weight.data = m[0].weight.data * 0.5
-    train(ref, ref_opt, range(3, 6), True)
-    train(fused, opt, range(3, 6), True)
+    train(ref, ref_opt, range(3, 5), True)
+    with pytest.warns(UserWarning, match="stepped unfused 3 times in a row"):
+        train(fused, opt, range(3, 5), True)
     assert_same(ref, fused, ref_opt, opt)
 
 
@@ -169,6 +171,19 @@ def test_closure_and_added_group() -> None:
 
             assert o.step(closure) is not None
     assert_same(ref, fused, ref_opt, opt)
+
+
+def test_over_torch_fused_kernel_is_close_not_identical() -> None:
+    # torch's fused CPU kernels round a vector body and its scalar tail differently, so the
+    # same element can differ in its last bit when it sits elsewhere in a bigger buffer.
+    ref, fused = model(), model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = fuse_optimizer(torch.optim.AdamW(fused.parameters(), lr=1e-2, fused=True))
+    train(ref, ref_opt, range(5), True)
+    train(fused, opt, range(5), True)
+    assert vars(opt)["_baguahvd_fusion"].fused_steps > 0
+    for p, q in zip(ref.parameters(), fused.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 def test_errors() -> None:
