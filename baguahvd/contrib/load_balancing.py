@@ -157,6 +157,9 @@ class LoadBalancingDistributedSampler(ElasticSampler):
 
     def reset(self) -> None:
         """Plans the rest of the epoch over the current ranks (see the module docstring)."""
+        if any(getattr(self, "current", ())):
+            # Progress under the previous world size becomes a segment of its own.
+            self.segments.append((self.num_replicas, list(self.current)))
         self.num_replicas = self._fixed_replicas or runtime.size()
         self.rank = self._fixed_rank if self._fixed_rank is not None else runtime.rank()
         if self.rank >= self.num_replicas:
@@ -189,6 +192,7 @@ class LoadBalancingDistributedSampler(ElasticSampler):
         """Starts epoch ``epoch`` from its first sample."""
         self.epoch = epoch
         self.segments = []
+        self.current = []
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
@@ -219,6 +223,7 @@ class LoadBalancingDistributedSampler(ElasticSampler):
                 "load a LoadBalancingDistributedSampler's state_dict()"
             )
         self.segments = [(int(r), [int(d) for d in done]) for r, done in state_dict["segments"]]
+        self.current = []
         self.reset()
 
     def __iter__(self) -> Iterator[int]:

@@ -93,3 +93,21 @@ def test_fused_with_bagua_algorithms(rank: int, size: int, algorithm: str) -> No
     plain = train(rank, MAKERS["adam"], fused=False, algorithm=algorithm)
     for p, q in zip(fused.parameters(), plain.parameters()):
         assert torch.equal(p, q)
+
+
+def test_fusing_before_wrapping_is_dropped_but_stays_correct(rank: int, size: int) -> None:
+    # DistributedOptimizer builds a new optimizer from the param groups: the fusion is not
+    # carried over, and training matches the unfused job.
+    plain = train(rank, MAKERS["adam"], fused=False)
+    model = mlp()
+    optimizer = hvd.DistributedOptimizer(
+        fuse_optimizer(MAKERS["adam"](model.parameters())),
+        named_parameters=model.named_parameters(),
+    )
+    assert not is_fused_optimizer(optimizer)
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=step % 2 == 0)
+        loss(model, rank, step).backward()
+        optimizer.step()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p, q)

@@ -195,3 +195,25 @@ def test_errors() -> None:
         fuse_optimizer(torch.optim.LBFGS(model().parameters()))
     with pytest.raises(UnsupportedOptimizerError, match="SparseAdam"):
         fuse_optimizer(torch.optim.SparseAdam(model().parameters()))
+
+
+class _PerTensorScale(torch.optim.Optimizer):
+    """Keeps a 2-element state per tensor: not per-element, not scalar."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p].setdefault("scale", torch.ones(2))
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+def test_state_neither_per_element_nor_scalar_is_refused() -> None:
+    m = model()
+    opt = fuse_optimizer(_PerTensorScale(m.parameters()))
+    with pytest.raises(UnsupportedOptimizerError, match="state 'scale' of shape \\[2\\]"):
+        train(m, opt, range(1), True)

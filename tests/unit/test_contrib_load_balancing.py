@@ -189,6 +189,22 @@ def test_resume_mid_epoch_on_fewer_ranks() -> None:
         again[0].load_state_dict({"epoch": 0, "processed_num": 5})
 
 
+def test_reset_keeps_the_progress() -> None:
+    # TorchState.reset() calls reset() after a membership change, without a restore.
+    dataset = Lengths(90)
+    ranks = samplers(dataset, 3)
+    done = set()
+    for s in ranks:
+        done.update(list(s)[:4])
+        s.record_batch(0, 4)
+        s.reset()
+    assert ranks[0].processed_num == 12
+    rest = {i for s in ranks for i in s}
+    assert rest | done == set(range(90)) and not rest & done
+    ranks[0].set_epoch(1)
+    assert ranks[0].processed_num == 0 and len(ranks[0]) == 30
+
+
 def token_batches(indices: list[int], lengths: list[int], budget: int = 300) -> list[list[int]]:
     batches: list[list[int]] = [[]]
     used = 0
