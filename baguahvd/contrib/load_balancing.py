@@ -125,6 +125,7 @@ class LoadBalancingDistributedSampler(ElasticSampler):
         self._fixed_rank = rank
         self.epoch = 0
         self.segments: list[Segment] = []
+        self.current: list[int] = []  # samples processed per rank under num_replicas
         self.plan_version = 0
         self.reset()
 
@@ -157,7 +158,7 @@ class LoadBalancingDistributedSampler(ElasticSampler):
 
     def reset(self) -> None:
         """Plans the rest of the epoch over the current ranks (see the module docstring)."""
-        if any(getattr(self, "current", ())):
+        if any(self.current):
             # Progress under the previous world size becomes a segment of its own.
             self.segments.append((self.num_replicas, list(self.current)))
         self.num_replicas = self._fixed_replicas or runtime.size()
