@@ -206,8 +206,8 @@ class _Fusion:
             if not self._adopt_key(bucket, key, values, states):
                 return False
         if not bucket.scalars_checked:
-            for views, value in bucket.scalars.values():
-                if not torch.equal(views, value.expand_as(views)):
+            for views, _ in bucket.scalars.values():
+                if not torch.equal(views, views[0].expand_as(views)):
                     return False
             bucket.scalars_checked = True
         return True
@@ -320,7 +320,9 @@ class _Fusion:
             stepped: list[torch.Tensor] = []
             for bucket in plan[1]:
                 self._adopt_data(bucket)
-                if self._adopt_grads(bucket) and self._adopt_state(bucket):
+                if all(p.grad is None for p in bucket.params):
+                    stepped.extend(bucket.params)  # the optimizer skips them: nothing to fuse
+                elif self._adopt_grads(bucket) and self._adopt_state(bucket):
                     for key, (_, value) in bucket.scalars.items():
                         state[bucket.flat][key] = value
                     state[bucket.flat].update(bucket.plain)

@@ -153,6 +153,29 @@ def test_partial_grads_and_replaced_data_fall_back_correctly() -> None:
     assert_same(ref, fused, ref_opt, opt)
 
 
+def test_a_buffer_without_any_gradient_is_skipped_not_unfused() -> None:
+    # One layer per param group, so one buffer each; the second layer has no gradient at
+    # step 1: the optimizer skips it, and both buffers keep stepping fused.
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    ref = copy.deepcopy(m)
+
+    def groups(model: nn.Module) -> list[dict[str, Any]]:
+        return [{"params": model[0].parameters()}, {"params": model[1].parameters()}]
+
+    opt = fuse_optimizer(torch.optim.Adam(groups(m), lr=1e-2))
+    ref_opt = torch.optim.Adam(groups(ref), lr=1e-2)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        for step in range(4):
+            o.zero_grad()
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+            (model[0](x) if step == 1 else model(x)).sum().backward()
+            o.step()
+    assert_same(ref, m, ref_opt, opt)
+    fusion = vars(opt)["_baguahvd_fusion"]
+    assert fusion.unfused_steps == 0 and fusion.fused_steps == 7
+
+
 def test_closure_and_added_group() -> None:
     ref, fused = model(), model()
     ref_opt = torch.optim.SGD(list(ref.parameters())[:4], lr=0.1, momentum=0.9)
