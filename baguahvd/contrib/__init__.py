@@ -1,4 +1,5 @@
-"""Bagua's system features for baguahvd jobs: a cached dataset shared by the ranks."""
+"""Bagua's system features: a generic fused optimizer, a load-balanced sampler and a cached
+dataset shared by the ranks."""
 
 from baguahvd.contrib.cached_dataset import (
     CachedDataset,
@@ -7,5 +8,27 @@ from baguahvd.contrib.cached_dataset import (
     LmdbStore,
     RedisStore,
 )
+from baguahvd.contrib.fused_optimizer import (
+    AlreadyFusedError,
+    UnsupportedOptimizerError,
+    fuse_optimizer,
+    is_fused_optimizer,
+)
+from baguahvd.contrib.load_balancing import (
+    LoadBalancingDistributedBatchSampler,
+    LoadBalancingDistributedSampler,
+)
 
-__all__ = ["CacheStore", "CacheUnavailableError", "CachedDataset", "LmdbStore", "RedisStore"]
+__all__ = [
+    "AlreadyFusedError",
+    "CacheStore",
+    "CacheUnavailableError",
+    "CachedDataset",
+    "LmdbStore",
+    "LoadBalancingDistributedBatchSampler",
+    "LoadBalancingDistributedSampler",
+    "RedisStore",
+    "UnsupportedOptimizerError",
+    "fuse_optimizer",
+    "is_fused_optimizer",
+]
