@@ -1,0 +1,225 @@
+"""``Trainer(strategy="baguahvd")`` on every rank: the fitted weights, logged metrics,
+checkpoints and the Bagua algorithms, compared across ranks and with
+``hvd.DistributedOptimizer`` trained by hand on the same data in the same order."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.data
+
+pl = pytest.importorskip("lightning.pytorch")
+
+import baguahvd.torch as hvd  # noqa: E402
+from baguahvd.lightning import BaguaHvdStrategy  # noqa: E402
+
+SAMPLES = 50  # not a multiple of 3: the sampler pads at -np 3
+BATCH = 4
+EPOCHS = 2
+LR = 0.05
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, 6, generator=generator)
+    y = (x[:, :3].sum(1) > 0).long()
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def network() -> torch.nn.Module:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = network()
+        self.train_snapshots: list[torch.Tensor] = []
+        self.validation_snapshots: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.train_snapshots.append(flat(self))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if batch_idx == 0:
+            self.validation_snapshots.append(flat(self))
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y), sync_dist=True)
+        rank_value = torch.tensor(float(hvd.rank() + 1))
+        self.log("rank_mean", rank_value, sync_dist=True)
+        self.log("rank_max", rank_value, sync_dist=True, reduce_fx="max")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+
+
+def flat(module: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in module.parameters()]).clone()
+
+
+def gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``tensor`` as the rows of one tensor."""
+    return hvd.allgather(tensor.unsqueeze(0))
+
+
+def trainer(strategy: Any = "baguahvd", **kwargs: Any) -> Any:
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": EPOCHS,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    settings.update(kwargs)
+    return pl.Trainer(strategy=strategy, **settings)
+
+
+def loaders() -> tuple[torch.utils.data.DataLoader, torch.utils.data.DataLoader]:
+    data = dataset()
+    return (
+        torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=True),
+        torch.utils.data.DataLoader(data, batch_size=BATCH),
+    )
+
+
+def shared_directory(tmp_path: pathlib.Path) -> pathlib.Path:
+    """Rank 0's ``tmp_path``, on every rank (one host)."""
+    return pathlib.Path(hvd.broadcast_object(str(tmp_path), root_rank=0, name="shared_dir"))
+
+
+def fit(strategy: Any = "baguahvd", **kwargs: Any) -> tuple[Any, Classifier]:
+    model = Classifier()
+    run = trainer(strategy, **kwargs)
+    run.fit(model, *loaders())
+    return run, model
+
+
+def test_registered_name_builds_the_strategy() -> None:
+    run = trainer()
+    assert isinstance(run.strategy, BaguaHvdStrategy)
+    assert run.world_size == hvd.size() and run.global_rank == hvd.rank()
+    assert run.is_global_zero == (hvd.rank() == 0)
+
+
+def test_unknown_algorithm_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="known algorithms: .*bytegrad"):
+        BaguaHvdStrategy(algorithm="no_such_algorithm")
+
+
+def test_fit_matches_distributed_optimizer_on_the_same_data(rank: int, size: int) -> None:
+    run, model = fit(num_sanity_val_steps=0, limit_val_batches=0)
+    sampler = run.train_dataloader.sampler
+    assert isinstance(sampler, torch.utils.data.DistributedSampler)
+    assert (sampler.num_replicas, sampler.rank, sampler.shuffle) == (size, rank, True)
+
+    weights = gathered(flat(model))
+    for other in weights[1:]:
+        assert torch.equal(other, weights[0])
+
+    # The same training by hand: Horovod's DistributedOptimizer, the same sampler order.
+    net = network()
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9),
+        named_parameters=net.named_parameters(),
+    )
+    reference = torch.utils.data.DistributedSampler(
+        dataset(), num_replicas=size, rank=rank, shuffle=True, seed=sampler.seed
+    )
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, sampler=reference)
+    for epoch in range(EPOCHS):
+        reference.set_epoch(epoch)
+        for x, y in loader:
+            optimizer.zero_grad()
+            F.cross_entropy(net(x), y).backward()
+            optimizer.step()
+    torch.testing.assert_close(flat(model), flat(net))
+
+
+def test_sync_dist_metrics_are_reduced_over_ranks(size: int) -> None:
+    model = Classifier()
+    run = trainer()
+    (metrics,) = run.validate(model, loaders()[1], verbose=False)
+    assert metrics["rank_mean"] == pytest.approx((size + 1) / 2)
+    assert metrics["rank_max"] == pytest.approx(size)
+    # Every rank holds the same reduced values.
+    values = gathered(torch.tensor([metrics["val_loss"], metrics["rank_mean"]]))
+    for other in values[1:]:
+        assert torch.equal(other, values[0])
+
+
+class CountingCheckpointIO(pl.plugins.TorchCheckpointIO):
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved = 0
+
+    def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+        self.saved += 1
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def test_checkpoints_are_written_once_by_rank_0(tmp_path: pathlib.Path, rank: int) -> None:
+    directory = shared_directory(tmp_path) / "checkpoints"
+    io = CountingCheckpointIO()
+    callback = pl.callbacks.ModelCheckpoint(dirpath=directory, save_top_k=-1)
+    _, model = fit(enable_checkpointing=True, callbacks=[callback], plugins=[io])
+    counts = gathered(torch.tensor([io.saved]))
+    assert counts.flatten().tolist() == [EPOCHS] + [0] * (hvd.size() - 1)
+    assert len(list(directory.glob("*.ckpt"))) == EPOCHS
+    last = torch.load(sorted(directory.glob("*.ckpt"))[-1], weights_only=False)
+    torch.testing.assert_close(last["state_dict"]["net.0.weight"], model.net[0].weight.detach())
+
+
+def test_bytegrad_ranks_end_identical() -> None:
+    _, model = fit(BaguaHvdStrategy(algorithm="bytegrad"))
+    weights = gathered(flat(model))
+    assert torch.isfinite(weights).all()
+    for other in weights[1:]:
+        assert torch.equal(other, weights[0])
+    assert not torch.equal(weights[0], flat(network()))
+
+
+@pytest.mark.parametrize("algorithm", ["decentralized", "async"])
+def test_weight_averaging_ranks_are_averaged_for_validation_and_saving(
+    algorithm: str, tmp_path: pathlib.Path, size: int
+) -> None:
+    directory = shared_directory(tmp_path) / algorithm
+    callback = pl.callbacks.ModelCheckpoint(dirpath=directory, save_top_k=-1)
+    if algorithm == "async":
+        from baguahvd.algorithms import AsyncModelAverageAlgorithm
+
+        strategy = BaguaHvdStrategy(
+            algorithm=AsyncModelAverageAlgorithm(sync_interval_ms=1, warmup_steps=2)
+        )
+    else:
+        strategy = BaguaHvdStrategy(algorithm=algorithm)
+    _, model = fit(strategy, enable_checkpointing=True, callbacks=[callback])
+
+    # Training leaves the ranks apart...
+    last_train = gathered(model.train_snapshots[-1])
+    assert any(not torch.equal(other, last_train[0]) for other in last_train[1:])
+    # ...validation (after the sanity check) and the end of fitting see one model.
+    for snapshot in model.validation_snapshots:
+        every = gathered(snapshot)
+        for other in every[1:]:
+            assert torch.equal(other, every[0])
+    final = gathered(flat(model))
+    for other in final[1:]:
+        assert torch.equal(other, final[0])
+    checkpoints = sorted(directory.glob("*.ckpt"))
+    assert len(checkpoints) == EPOCHS
+    saved = torch.load(checkpoints[-1], weights_only=False)["state_dict"]
+    torch.testing.assert_close(saved["net.2.bias"], model.net[2].bias.detach())
