@@ -27,7 +27,8 @@ The protocol, in the order Lightning drives it:
 
 from __future__ import annotations
 
-import logging
+import functools
+import weakref
 from collections.abc import Callable
 from typing import Any, Optional, Union
 
@@ -53,8 +54,6 @@ from baguahvd.torch.algorithms import (
     LowPrecisionDecentralizedAlgorithm,
     resolve,
 )
-
-log = logging.getLogger(__name__)
 
 WEIGHT_AVERAGING: tuple[type[Algorithm], ...] = (
     DecentralizedAlgorithm,
@@ -99,6 +98,30 @@ def _outside_inference_mode() -> torch.inference_mode:
 def averages_weights(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` runs an algorithm that leaves the ranks' models apart."""
     return isinstance(getattr(optimizer, "algorithm", None), WEIGHT_AVERAGING)
+
+
+def track_steps_for_scheduler(optimizer: torch.optim.Optimizer) -> None:
+    """Lets a learning-rate scheduler moved onto ``optimizer`` see its steps.
+
+    torch's schedulers wrap the ``step`` of the optimizer they are built with so that it sets
+    ``_opt_called``, and warn on their first ``step()`` when that wrapper (marked
+    ``_wrapped_by_lr_sched``) is missing or never ran. The wrapped optimizer gets the same
+    marks, or every fit with a scheduler would warn that ``optimizer.step()`` was overridden.
+    """
+    if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        return
+    owner = weakref.ref(optimizer)
+    step = type(optimizer).step
+
+    @functools.wraps(step)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        instance = owner()
+        assert instance is not None, "step() of a freed optimizer"
+        instance._opt_called = True  # type: ignore[attr-defined]
+        return step(instance, *args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = tracked  # type: ignore[method-assign]
 
 
 class BaguaHvdStrategy(ParallelStrategy):
@@ -199,6 +222,7 @@ class BaguaHvdStrategy(ParallelStrategy):
             scheduler_optimizer = getattr(config.scheduler, "optimizer", None)
             if id(scheduler_optimizer) in wrapped:
                 config.scheduler.optimizer = wrapped[id(scheduler_optimizer)]
+                track_steps_for_scheduler(config.scheduler.optimizer)
         for opt in self.optimizers:
             hvd.broadcast_optimizer_state(opt, root_rank=0)
         self._distributed = list(self.optimizers)

@@ -21,6 +21,8 @@ SAMPLES = 50  # not a multiple of 3: the sampler pads at -np 3
 BATCH = 4
 EPOCHS = 2
 LR = 0.05
+GAMMA = 0.5
+CLIP = 0.05
 
 
 def dataset() -> torch.utils.data.TensorDataset:
@@ -36,9 +38,10 @@ def network() -> torch.nn.Module:
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, scheduled: bool = False) -> None:
         super().__init__()
         self.net = network()
+        self.scheduled = scheduled
         self.train_snapshots: list[torch.Tensor] = []
         self.validation_snapshots: list[torch.Tensor] = []
 
@@ -60,8 +63,11 @@ class Classifier(pl.LightningModule):
         self.log("rank_mean", rank_value, sync_dist=True)
         self.log("rank_max", rank_value, sync_dist=True, reduce_fx="max")
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+        if not self.scheduled:
+            return optimizer
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=GAMMA)]
 
 
 def flat(module: torch.nn.Module) -> torch.Tensor:
@@ -100,8 +106,10 @@ def shared_directory(tmp_path: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(hvd.broadcast_object(str(tmp_path), root_rank=0, name="shared_dir"))
 
 
-def fit(strategy: Any = "baguahvd", **kwargs: Any) -> tuple[Any, Classifier]:
-    model = Classifier()
+def fit(
+    strategy: Any = "baguahvd", scheduled: bool = False, **kwargs: Any
+) -> tuple[Any, Classifier]:
+    model = Classifier(scheduled)
     run = trainer(strategy, **kwargs)
     run.fit(model, *loaders())
     return run, model
@@ -119,33 +127,66 @@ def test_unknown_algorithm_lists_the_known_ones() -> None:
         BaguaHvdStrategy(algorithm="no_such_algorithm")
 
 
-def test_fit_matches_distributed_optimizer_on_the_same_data(rank: int, size: int) -> None:
-    run, model = fit(num_sanity_val_steps=0, limit_val_batches=0)
-    sampler = run.train_dataloader.sampler
-    assert isinstance(sampler, torch.utils.data.DistributedSampler)
-    assert (sampler.num_replicas, sampler.rank, sampler.shuffle) == (size, rank, True)
-
-    weights = gathered(flat(model))
-    for other in weights[1:]:
-        assert torch.equal(other, weights[0])
-
-    # The same training by hand: Horovod's DistributedOptimizer, the same sampler order.
+def train_by_hand(
+    seed: int, rank: int, size: int, clip: float | None, passes: int, scheduled: bool
+) -> torch.nn.Module:
+    """The training Lightning does, with Horovod's DistributedOptimizer and its gradient
+    clipping recipe (synchronize, clip, step without synchronizing)."""
     net = network()
     hvd.broadcast_parameters(net.state_dict(), root_rank=0)
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(net.parameters(), lr=LR, momentum=0.9),
         named_parameters=net.named_parameters(),
+        backward_passes_per_step=passes,
     )
-    reference = torch.utils.data.DistributedSampler(
-        dataset(), num_replicas=size, rank=rank, shuffle=True, seed=sampler.seed
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=GAMMA)
+    sampler = torch.utils.data.DistributedSampler(
+        dataset(), num_replicas=size, rank=rank, shuffle=True, seed=seed
     )
-    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, sampler=reference)
+    loader = torch.utils.data.DataLoader(dataset(), batch_size=BATCH, sampler=sampler)
     for epoch in range(EPOCHS):
-        reference.set_epoch(epoch)
-        for x, y in loader:
-            optimizer.zero_grad()
-            F.cross_entropy(net(x), y).backward()
-            optimizer.step()
+        sampler.set_epoch(epoch)
+        for i, (x, y) in enumerate(loader):
+            if i % passes == 0:
+                optimizer.zero_grad()
+            # Lightning divides the loss by the number of accumulated batches.
+            (F.cross_entropy(net(x), y) / passes).backward()
+            if (i + 1) % passes and i + 1 < len(loader):
+                continue
+            optimizer.synchronize()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        if scheduled:
+            scheduler.step()
+    return net
+
+
+@pytest.mark.parametrize(
+    ("clip", "passes", "scheduled"),
+    [(None, 1, False), (CLIP, 1, False), (None, 2, False), (None, 1, True)],
+    ids=["plain", "gradient_clip", "accumulate_2", "lr_scheduler"],
+)
+def test_fit_matches_distributed_optimizer_on_the_same_data(
+    rank: int, size: int, clip: float | None, passes: int, scheduled: bool
+) -> None:
+    run, model = fit(
+        scheduled=scheduled, num_sanity_val_steps=0, limit_val_batches=0,
+        gradient_clip_val=clip, accumulate_grad_batches=passes,
+    )
+    sampler = run.train_dataloader.sampler
+    assert isinstance(sampler, torch.utils.data.DistributedSampler)
+    assert (sampler.num_replicas, sampler.rank, sampler.shuffle) == (size, rank, True)
+    if scheduled:
+        (config,) = run.lr_scheduler_configs
+        assert config.scheduler.optimizer is run.optimizers[0]
+        assert run.optimizers[0].param_groups[0]["lr"] == pytest.approx(LR * GAMMA**EPOCHS)
+
+    weights = gathered(flat(model))
+    for other in weights[1:]:
+        assert torch.equal(other, weights[0])
+    net = train_by_hand(sampler.seed, rank, size, clip, passes, scheduled)
     torch.testing.assert_close(flat(model), flat(net))
 
 
