@@ -194,20 +194,25 @@ def test_bytegrad_ranks_end_identical() -> None:
     assert not torch.equal(weights[0], flat(network()))
 
 
-@pytest.mark.parametrize("algorithm", ["decentralized", "async"])
+def weight_averaging(name: str) -> Any:
+    """An algorithm that leaves the ranks apart on one host: low-precision decentralized
+    is flat (hierarchical mode averages a node's ranks every step), async starts soon."""
+    from baguahvd.algorithms import AsyncModelAverageAlgorithm, LowPrecisionDecentralizedAlgorithm
+
+    if name == "async":
+        return AsyncModelAverageAlgorithm(sync_interval_ms=1, warmup_steps=2)
+    if name == "low_precision_decentralized":
+        return LowPrecisionDecentralizedAlgorithm(hierarchical=False)
+    return name
+
+
+@pytest.mark.parametrize("algorithm", ["decentralized", "low_precision_decentralized", "async"])
 def test_weight_averaging_ranks_are_averaged_for_validation_and_saving(
     algorithm: str, tmp_path: pathlib.Path, size: int
 ) -> None:
     directory = shared_directory(tmp_path) / algorithm
     callback = pl.callbacks.ModelCheckpoint(dirpath=directory, save_top_k=-1)
-    if algorithm == "async":
-        from baguahvd.algorithms import AsyncModelAverageAlgorithm
-
-        strategy = BaguaHvdStrategy(
-            algorithm=AsyncModelAverageAlgorithm(sync_interval_ms=1, warmup_steps=2)
-        )
-    else:
-        strategy = BaguaHvdStrategy(algorithm=algorithm)
+    strategy = BaguaHvdStrategy(algorithm=weight_averaging(algorithm))
     _, model = fit(strategy, enable_checkpointing=True, callbacks=[callback])
 
     # Training leaves the ranks apart...
