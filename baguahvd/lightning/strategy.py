@@ -8,7 +8,8 @@ The protocol, in the order Lightning drives it:
 2. ``setup`` (fit): the model moves to its device, rank 0's weights are broadcast, each
    optimizer is wrapped by ``hvd.DistributedOptimizer`` (Horovod's allreduce, or the Bagua
    algorithm given as ``algorithm=``), learning-rate schedulers are pointed at the wrapped
-   optimizers and rank 0's optimizer state is broadcast.
+   optimizers and rank 0's optimizer state is broadcast. Lightning's wrappers of them
+   (``self.optimizers()``) are :class:`DistributedLightningOptimizer`.
 3. ``optimizer_step``: Lightning runs forward and backward inside the closure it hands to
    ``optimizer.step``. The closure is extended to ``synchronize()`` the optimizer right after
    backward, and the step runs under ``skip_synchronize()``, so that gradient clipping and
@@ -38,6 +39,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -124,6 +126,38 @@ def track_steps_for_scheduler(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = tracked  # type: ignore[method-assign]
 
 
+def _forward_to_optimizer(name: str) -> Callable[..., Any]:
+    def forward(self: LightningOptimizer, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.optimizer, name)(*args, **kwargs)
+
+    forward.__name__ = name
+    return forward
+
+
+class DistributedLightningOptimizer(LightningOptimizer):
+    """Lightning's wrapper of a ``DistributedOptimizer`` (what ``self.optimizers()`` returns).
+
+    ``LightningOptimizer`` turns its own class into a subclass of the optimizer's class, so
+    that ``isinstance`` checks hold. The classes ``DistributedOptimizer`` builds call
+    ``super(self.__class__, self)``, which recurses forever from an instance of a further
+    subclass, and their methods would write the protocol's state onto the wrapper. Every
+    method the distributed class defines and Lightning's wrapper does not (``zero_grad``,
+    ``synchronize``, ``skip_synchronize``, ``load_state_dict``, ...) is therefore called on
+    the optimizer itself; ``step`` stays Lightning's, which reaches the strategy.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer)
+        forwarded = {
+            name: _forward_to_optimizer(name)
+            for name, value in vars(type(optimizer)).items()
+            if callable(value)
+            and not name.startswith("__")
+            and not hasattr(LightningOptimizer, name)
+        }
+        self.__class__ = type(self.__class__.__name__, (self.__class__,), forwarded)
+
+
 class BaguaHvdStrategy(ParallelStrategy):
     """Data-parallel training on ranks started by ``baguahvdrun`` or ``mpirun``.
 
@@ -159,6 +193,7 @@ class BaguaHvdStrategy(ParallelStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
     ) -> None:
+        self._distributed: list[torch.optim.Optimizer] = []
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -167,7 +202,6 @@ class BaguaHvdStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.algorithm: Optional[Algorithm] = None if algorithm is None else resolve(algorithm)
-        self._distributed: list[torch.optim.Optimizer] = []
 
     # -- ranks and devices -----------------------------------------------------------------
 
@@ -215,7 +249,8 @@ class BaguaHvdStrategy(ParallelStrategy):
             id(opt): self._distribute(opt, trainer.accumulate_grad_batches)
             for opt in self.optimizers
         }
-        self.optimizers = [wrapped[id(opt)] for opt in self.optimizers]
+        self._distributed = [wrapped[id(opt)] for opt in self.optimizers]
+        self.optimizers = list(self._distributed)
         # The schedulers were built on the user's optimizers; the wrapped ones share their
         # param_groups, and a scheduler's state_dict and step checks need the one that steps.
         for config in self.lr_scheduler_configs:
@@ -225,7 +260,22 @@ class BaguaHvdStrategy(ParallelStrategy):
                 track_steps_for_scheduler(config.scheduler.optimizer)
         for opt in self.optimizers:
             hvd.broadcast_optimizer_state(opt, root_rank=0)
-        self._distributed = list(self.optimizers)
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return self._optimizers
+
+    @optimizers.setter
+    def optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self._optimizers = optimizers
+        self._lightning_optimizers = [
+            (
+                DistributedLightningOptimizer
+                if opt in self._distributed
+                else LightningOptimizer
+            )._to_lightning_optimizer(opt, self)
+            for opt in optimizers
+        ]
 
     def _distribute(self, optimizer: torch.optim.Optimizer, passes: int) -> torch.optim.Optimizer:
         assert self.lightning_module is not None

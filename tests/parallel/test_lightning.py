@@ -26,6 +26,7 @@ try:
         LR,
         Classifier,
         CountingCheckpointIO,
+        ManualClassifier,
         dataset,
         flat,
         network,
@@ -158,6 +159,14 @@ def test_fit_matches_distributed_optimizer_on_the_same_data(
     for other in weights[1:]:
         assert torch.equal(other, weights[0])
     net = train_by_hand(sampler.seed, rank, size, clip, passes, scheduled)
+    torch.testing.assert_close(flat(model), flat(net))
+
+
+def test_manual_optimization_matches_distributed_optimizer(rank: int, size: int) -> None:
+    model = ManualClassifier()
+    run = trainer(num_sanity_val_steps=0, limit_val_batches=0)
+    run.fit(model, *loaders())
+    net = train_by_hand(run.train_dataloader.sampler.seed, rank, size, None, 1, False)
     torch.testing.assert_close(flat(model), flat(net))
 
 

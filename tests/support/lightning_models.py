@@ -65,6 +65,24 @@ class Classifier(pl.LightningModule):
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=GAMMA)]
 
 
+class ManualClassifier(Classifier):
+    """The same training with manual optimization: the strategy's step path without
+    Lightning's closure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        x, y = batch
+        optimizer.zero_grad()
+        loss = F.cross_entropy(self.net(x), y)
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss.detach()
+
+
 def flat(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in module.parameters()]).clone()
 
