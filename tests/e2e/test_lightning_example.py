@@ -1,0 +1,41 @@
+"""examples/lightning_digits.py under ``baguahvdrun -np 2``: it trains to the plain digits
+example's accuracy, prints on rank 0 only and writes one checkpoint per epoch."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import sys
+
+import pytest
+
+from tests.support import jobs
+
+pytest.importorskip("lightning.pytorch")
+
+EXAMPLE = jobs.ROOT / "examples" / "lightning_digits.py"
+TIMEOUT_S = 240
+EPOCHS = 5
+ACCURACY = re.compile(r"^test accuracy: (\d\.\d{4})$", re.MULTILINE)
+MIN_ACCURACY = 0.9
+"""examples/pytorch_digits.py reaches 0.9389 in 5 epochs on two ranks; so does this example
+(the same model, data, sampler seed and learning rate)."""
+
+pytestmark = pytest.mark.parallel
+
+
+def test_lightning_digits_reaches_the_plain_examples_accuracy(tmp_path: pathlib.Path) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    args = ["-np", "2", sys.executable, str(EXAMPLE), "--epochs", str(EPOCHS),
+            "--no-progress-bar", "--checkpoint-dir", str(checkpoints)]
+    result = jobs.run_launcher(args, tmp_path, TIMEOUT_S)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    found = ACCURACY.findall(result.stdout)
+    assert len(found) == 1, output[-5000:]  # printed by rank 0 only
+    assert float(found[0]) >= MIN_ACCURACY, output[-5000:]
+    for epoch in range(1, EPOCHS + 1):
+        assert len(re.findall(rf"^Epoch {epoch}: test loss", result.stdout, re.MULTILINE)) == 1
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        f"checkpoint-epoch={epoch}.ckpt" for epoch in range(EPOCHS)
+    ]
