@@ -7,6 +7,11 @@ the factory the engine was given: every member runs the agreed units in the same
 all of them make it in the same one). The tensor arithmetic lives in
 :mod:`~baguahvd.engine.execute`; process-set changes are handed back to the engine.
 
+Device units run inside their communicator's ``ordered`` scope (see
+:meth:`baguahvd.backends.nccl.NCCLCommunicator.ordered`): after the submitters' streams, on
+the communicator's stream, and their handles complete only when the unit's completion event
+has fired. A member that joined contributes zeros on the device its submissions used.
+
 A collective that raises here raises to the caller: on the engine thread that fails the
 job (see :class:`CollectiveFailure`); for a single-member set, which never leaves the
 calling thread, it fails that request only.
@@ -19,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from baguahvd.backends import nccl
 from baguahvd.backends.base import Communicator, DeviceCommFactory, SelfCommunicator
 from baguahvd.common.exceptions import HorovodInternalError, MismatchError
 from baguahvd.engine import execute
@@ -81,6 +87,18 @@ class Dispatcher:
         self.add_process_set = add_process_set
         self.remove_process_set = remove_process_set
         self.buffers = execute.FusionBuffers()
+        self.user_device: torch.device | None = None
+        """The CUDA device of this rank's submissions (where its joined zeros go)."""
+        self._deferred: list[Callable[[], None]] | None = None
+
+    def mark(self, request: Request) -> None:
+        """Notes where a submission stands in its submitter's CUDA stream (user thread)."""
+        mark = nccl.mark_submission(request.inputs)
+        request.mark = mark
+        if mark is not None:
+            self.user_device = mark.device
+        elif request.meta.op == OpType.JOIN and self.user_device is None:
+            self.user_device = nccl.thread_cuda_device()
 
     def run_unit(self, unit: list[Entry]) -> None:
         """Runs one agreed unit on this rank (engine thread); raises what it raised."""
@@ -89,9 +107,29 @@ class Dispatcher:
         if state is None or state.comm is None:
             return
         if response.device != "CPU" and response.error is None:
-            self.execute(unit, self.device_comm(state, state.comm))
+            self.execute_ordered(unit, self.device_comm(state, state.comm))
             return
         self.execute(unit, state.comm)
+
+    def execute_ordered(self, unit: list[Entry], comm: Communicator) -> None:
+        """:meth:`execute` in the stream order of a device communicator (module docstring);
+        the handles complete once the unit's results are in place."""
+        ordered = getattr(comm, "ordered", None)
+        if ordered is None:
+            self.execute(unit, comm)
+            return
+        marks = [request.mark for _, request in unit
+                 if request is not None and request.mark is not None]
+        device = marks[0].device if marks else (getattr(comm, "device", None) or self.user_device)
+        deferred: list[Callable[[], None]] = []
+        self._deferred = deferred
+        try:
+            with ordered(device, marks, unit[0][0].name):
+                self.execute(unit, comm)
+        finally:
+            self._deferred = None
+        for complete in deferred:
+            complete()
 
     def run_alone(self, request: Request, state: ProcessSetState) -> None:
         """A single-member process set: no negotiation, no communication."""
@@ -154,7 +192,7 @@ class Dispatcher:
             return
         op = response.op
         if op == OpType.ALLREDUCE:
-            execute.allreduce(comm, unit, self.buffers, phase)
+            execute.allreduce(comm, unit, self.buffers, phase, self.user_device)
             self.complete_all(requests)
             return
         if op == OpType.BARRIER:
@@ -189,6 +227,9 @@ class Dispatcher:
     def complete_all(self, requests: list[Request]) -> None:
         """:meth:`finish` for the requests of a unit that succeeded, with their outputs: one
         lock and one timeline check for all of them."""
+        if self._deferred is not None:
+            self._deferred.append(lambda: self.complete_all(requests))
+            return
         self.queue.done(requests)
         timeline = self.timeline
         if timeline is not None and timeline.active:
@@ -208,6 +249,9 @@ class Dispatcher:
         error: BaseException | None = None,
     ) -> None:
         """Completes or fails one request."""
+        if self._deferred is not None and error is None:
+            self._deferred.append(lambda: self.finish(request, result, extra))
+            return
         self.queue.done((request,))
         timeline = self.timeline
         if timeline is not None and timeline.active:

@@ -312,6 +312,7 @@ class Engine:
             root, splits, payload,
         )
         request.activity = getattr(self._activity, "name", None)
+        self._dispatch.mark(request)
         if len(state.ranks) == 1:
             self._queue.check_unique(request)
             self._dispatch.run_alone(request, state)

@@ -40,6 +40,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeCupy:
     cupy.install(monkeypatch)
     monkeypatch.setattr(backend, "tensor_device", lambda tensor: DEVICE)
     monkeypatch.setattr(backend, "current_stream_ptr", lambda device: TORCH_STREAM)
+    monkeypatch.setattr(backend, "set_torch_device", lambda device: None)
     return cupy
 
 
@@ -195,6 +196,7 @@ def test_bfloat16_is_reduced_in_float32_before_nccl_2_10(monkeypatch: pytest.Mon
     fake.install(monkeypatch)
     monkeypatch.setattr(backend, "tensor_device", lambda tensor: DEVICE)
     monkeypatch.setattr(backend, "current_stream_ptr", lambda device: TORCH_STREAM)
+    monkeypatch.setattr(backend, "set_torch_device", lambda device: None)
     tensor_in = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
     tensor_out = torch.zeros(3, dtype=torch.bfloat16)
     _comm().allreduce(tensor_in, tensor_out, ReduceOp.SUM)
@@ -234,10 +236,11 @@ def test_the_communicator_is_created_once_on_the_tensors_device(fake: FakeCupy) 
         comm.broadcast(torch.ones(2), 0)
     assert len(_calls(fake, "NcclCommunicator")) == 1
     assert len(_calls(fake, "Stream")) == 1
-    creation = fake.log.names()[: fake.log.names().index("Device.exit") + 1]
-    assert creation == ["Device.enter", "get_unique_id", "NcclCommunicator", "Stream",
-                        "Device.exit"]
-    assert fake.log[0] == ("Device.enter", 0)
+    creation = fake.log.names()[: fake.log.names().index("Stream") + 1]
+    # The device is selected once for the thread and never restored to another one.
+    assert creation == ["Device.use", "get_unique_id", "NcclCommunicator", "Stream"]
+    assert fake.log[0] == ("Device.use", 0)
+    assert "Device.exit" not in fake.log.names()
     assert _calls(fake, "Stream") == [("Stream", NCCL_STREAM_BASE, True)]
 
 
@@ -299,7 +302,6 @@ def test_stream_and_event_order_around_a_collective(fake: FakeCupy) -> None:
     events = [entry[1] for entry in fake.log if entry[0] == "Event.record"]
     ready, done = events
     assert fake.log == [
-        ("Device.enter", 0),
         # The NCCL stream waits for what torch's current stream has queued so far...
         ("Event.record", ready, TORCH_STREAM),
         ("Stream.wait_event", NCCL_STREAM_BASE, ready),
@@ -307,7 +309,6 @@ def test_stream_and_event_order_around_a_collective(fake: FakeCupy) -> None:
         # ...and torch's stream waits for the collective before reading the result.
         ("Event.record", done, NCCL_STREAM_BASE),
         ("Stream.wait_event", TORCH_STREAM, done),
-        ("Device.exit", 0),
         # The engine thread then watches the completion event; nothing synchronizes the
         # device.
         ("Event.done", done),
