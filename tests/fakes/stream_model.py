@@ -23,10 +23,10 @@ checked against those clocks when it is queued, which covers every interleaving 
 - an operation that mixes host tensors and device tensors (as torch refuses on a GPU).
 
 Factory functions take ``device="cuda:N"`` (the model allocates host memory and remembers
-N); ``"cpu"`` (what a stand-in's ``.device`` says, and torch's default) means the process's
-GPU. Host memory is what ``torch.tensor(data)`` makes, or what :meth:`StreamModel.host`
-marks; the model does not order it. A tensor the model has not seen before is device memory
-on the process's GPU.
+N); ``device="cpu"`` (what a stand-in's ``.device`` says) means the process's GPU. A factory
+called without a device makes host memory, as on a GPU machine; so does what
+:meth:`StreamModel.mark_host` marks. The model does not order host memory. A tensor the model has
+not seen before is device memory on the process's GPU.
 
 A violation raises :class:`StreamViolation` at once. The queues themselves run later: each
 poll of an event runs one queued operation of a stream chosen by a seeded random generator
@@ -45,6 +45,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.fakes.fake_cupy import FakeCupy
@@ -182,7 +183,7 @@ class StreamModel:
             self.buffers[storage.data_ptr()] = found
         return found
 
-    def host(self, tensor: torch.Tensor) -> torch.Tensor:
+    def mark_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Marks ``tensor`` as host memory."""
         self.buffer(tensor).device = HOST
         return tensor
@@ -300,7 +301,7 @@ class StreamModel:
     @contextmanager
     def active(self) -> Iterator[None]:
         """Every torch operation of this thread runs on its current model stream."""
-        with _Mode(self):
+        with _Factories(self), _Mode(self):
             yield
 
     def install(self, monkeypatch: pytest.MonkeyPatch, backend: Any) -> None:
@@ -420,6 +421,28 @@ class StreamModel:
         communicator.recv = collective("recv", (), (0,))
 
 
+_FACTORIES = {
+    torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.as_tensor,
+    torch.arange, torch.rand, torch.randn, torch.linspace,
+}
+
+
+class _Factories(TorchFunctionMode):
+    """A factory function called without a device makes host memory."""
+
+    def __init__(self, model: StreamModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in _FACTORIES and kwargs.get("device") is None:
+            self.model.mark_host(result)
+        return result
+
+
 class _Mode(TorchDispatchMode):
     """Turns torch operations into accesses on the thread's current model stream."""
 
@@ -444,9 +467,6 @@ class _Mode(TorchDispatchMode):
         requested = kwargs.get("device")
         if isinstance(requested, torch.device) and requested.type == "cuda":
             kwargs = {**kwargs, "device": torch.device("cpu")}
-        if name.startswith("lift_fresh"):
-            for tensor in read:
-                model.buffer(tensor, device=HOST)
         devices = {model.device_of(t) for t in read + written if t.dim() > 0}
         if len(devices) > 1 and name not in _CROSS_DEVICE:
             raise StreamViolation(f"torch {name} mixes tensors of devices {sorted(devices)}")
@@ -455,10 +475,12 @@ class _Mode(TorchDispatchMode):
             device = model.device if requested.type == "cpu" else (
                 model.torch_device() if requested.index is None else requested.index
             )
-        elif read + written and not name.startswith("lift_fresh"):
-            device = model.device_of((read + written)[0])
+        elif read + written:
+            # A 0-dim operand may be a host scalar; the others say where the result lives.
+            shaped = [t for t in read + written if t.dim() > 0] or read + written
+            device = model.device_of(shaped[0])
         else:
-            device = HOST if name.startswith("lift_fresh") else model.device
+            device = model.device
         result = func(*args, **kwargs)
         stream = model.current()
         with model.lock:
