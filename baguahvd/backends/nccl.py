@@ -92,11 +92,19 @@ class NCCLTimeoutError(NCCLError):
     aborted so that no rank stays blocked in it. Usually a peer died or skipped the call."""
 
 
+_NCCL_MISSING = (
+    "CuPy is installed but cannot use NCCL: libnccl.so.2 was not found (or this CuPy build "
+    "has no NCCL support). Install NCCL with `pip install nvidia-nccl-cu12` (part of "
+    '`pip install "baguahvd[cuda12]"`) or from NVIDIA\'s packages, and make sure '
+    "libnccl.so.2 is on the library path (LD_LIBRARY_PATH)"
+)
+
+
 class NCCLUnavailableError(HorovodInternalError):
     """A CUDA tensor reached the collectives but CuPy with NCCL cannot be imported."""
 
-    def __init__(self, reason: str = "") -> None:
-        super().__init__(f"{_INSTALL_HINT}{f' ({reason})' if reason else ''}")
+    def __init__(self, reason: str = "", message: str = _INSTALL_HINT) -> None:
+        super().__init__(f"{message}{f' ({reason})' if reason else ''}")
 
 
 def import_cupy() -> Any:
@@ -108,11 +116,14 @@ def import_cupy() -> Any:
     """
     try:
         import cupy
+    except ImportError as exc:
+        raise NCCLUnavailableError(f"CuPy is not installed: {exc}") from exc
+    try:
         import cupy.cuda.nccl
     except ImportError as exc:
-        raise NCCLUnavailableError(str(exc)) from exc
+        raise NCCLUnavailableError(str(exc), _NCCL_MISSING) from exc
     if not getattr(cupy.cuda.nccl, "available", True):
-        raise NCCLUnavailableError("CuPy was built without NCCL")
+        raise NCCLUnavailableError(message=_NCCL_MISSING)
     return cupy
 
 

@@ -67,6 +67,7 @@ class Dispatcher:
         device_comms: makes device communicators; None where there are none.
         add_process_set: registers a set of ranks (collective), returns its id.
         remove_process_set: removes the set of an id (collective).
+        device_timeout_s: how long one collective of a device communicator may take.
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class Dispatcher:
         device_comms: DeviceCommFactory | None,
         add_process_set: Callable[[Sequence[int]], int],
         remove_process_set: Callable[[int], None],
+        device_timeout_s: float = nccl.DEFAULT_TIMEOUT_S,
     ) -> None:
         self.rank = rank
         self.process_sets = process_sets
@@ -86,6 +88,7 @@ class Dispatcher:
         self.device_comms = device_comms
         self.add_process_set = add_process_set
         self.remove_process_set = remove_process_set
+        self.device_timeout_s = device_timeout_s
         self.buffers = execute.FusionBuffers()
         self.user_device: torch.device | None = None
         """The CUDA device of this rank's submissions (where its joined zeros go)."""
@@ -156,6 +159,8 @@ class Dispatcher:
                     "cannot be reduced"
                 )
             state.device_comm = self.device_comms(comm)
+            if isinstance(state.device_comm, nccl.NCCLCommunicator):
+                state.device_comm.timeout_s = self.device_timeout_s
         return state.device_comm
 
     # Grad mode is per thread and on by default, here as in the user's thread (single-member

@@ -106,13 +106,24 @@ def test_missing_cupy_raises_the_install_hint(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(sys.modules, "cupy", None)
     with pytest.raises(backend.NCCLUnavailableError, match=r"baguahvd\[cuda12\]") as info:
         backend.import_cupy()
+    assert "CuPy is not installed" in str(info.value)
     assert isinstance(info.value, HorovodInternalError)
 
 
 def test_cupy_without_nccl_raises_the_install_hint(fake: FakeCupy) -> None:
     fake.cupy.cuda.nccl.available = False
-    with pytest.raises(backend.NCCLUnavailableError, match="without NCCL"):
+    with pytest.raises(backend.NCCLUnavailableError, match="libnccl.so.2 was not found") as info:
         _comm().allreduce(torch.ones(2), torch.ones(2), ReduceOp.SUM)
+    assert "pip install nvidia-nccl-cu12" in str(info.value)
+    assert "LD_LIBRARY_PATH" in str(info.value)
+
+
+def test_cupy_whose_nccl_bindings_fail_to_load_says_nccl_is_missing(
+    fake: FakeCupy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", None)
+    with pytest.raises(backend.NCCLUnavailableError, match="cannot use NCCL"):
+        backend.import_cupy()
 
 
 # ---------------------------------------------------------------------------------------
