@@ -58,21 +58,16 @@ _INSTALL_HINT = (
 
 # NCCL's names of the types it reduces, by torch dtype; bfloat16 joins when NCCL allows it.
 _DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.int8: "NCCL_INT8",
-    torch.uint8: "NCCL_UINT8",
-    torch.int32: "NCCL_INT32",
-    torch.int64: "NCCL_INT64",
-    torch.float16: "NCCL_FLOAT16",
-    torch.float32: "NCCL_FLOAT32",
+    torch.int8: "NCCL_INT8", torch.uint8: "NCCL_UINT8",
+    torch.int32: "NCCL_INT32", torch.int64: "NCCL_INT64",
+    torch.float16: "NCCL_FLOAT16", torch.float32: "NCCL_FLOAT32",
     torch.float64: "NCCL_FLOAT64",
 }
 _BFLOAT16_NAME = "NCCL_BFLOAT16"
 
 _OP_NAMES: dict[ReduceOp, str] = {
-    ReduceOp.SUM: "NCCL_SUM",
-    ReduceOp.PRODUCT: "NCCL_PROD",
-    ReduceOp.MIN: "NCCL_MIN",
-    ReduceOp.MAX: "NCCL_MAX",
+    ReduceOp.SUM: "NCCL_SUM", ReduceOp.PRODUCT: "NCCL_PROD",
+    ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX",
 }
 
 _FIRST_POLL_S = 2e-6
@@ -172,9 +167,8 @@ def set_torch_device(device: torch.device) -> None:
 
 def thread_cuda_device() -> torch.device | None:
     """This thread's current CUDA device in torch, None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.device("cuda", torch.cuda.current_device())
+    available = torch.cuda.is_available()
+    return torch.device("cuda", torch.cuda.current_device()) if available else None
 
 
 class StreamMark(NamedTuple):
@@ -250,6 +244,9 @@ class NCCLCommunicator(Communicator):
         self._aborted: str | None = None
         self._threads: set[int] = set()
         self._in_unit = False
+        self.stopped: Callable[[], BaseException | None] | None = None
+        """Asked while a collective is polled: an error once the engine has stopped (a peer
+        lost, a shutdown); the collective is then aborted instead of waited for."""
 
     @property
     def device(self) -> torch.device | None:
@@ -404,6 +401,11 @@ class NCCLCommunicator(Communicator):
         delay = _FIRST_POLL_S
         while not done.done:
             self._check_async_error(what, device)
+            stopped = self.stopped() if self.stopped is not None else None
+            if stopped is not None:
+                reason = f"NCCL {what} on {device} was abandoned because the engine stopped"
+                self.abort(f"{reason}: {stopped}")
+                raise NCCLError(f"{reason}: {stopped}. The NCCL communicator was aborted.")
             if time.monotonic() >= deadline:
                 reason = (
                     f"NCCL {what} on {device} did not finish within {self.timeout_s:g} s; a "

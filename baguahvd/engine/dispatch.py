@@ -68,6 +68,8 @@ class Dispatcher:
         add_process_set: registers a set of ranks (collective), returns its id.
         remove_process_set: removes the set of an id (collective).
         device_timeout_s: how long one collective of a device communicator may take.
+        stopped: the engine's stop error, if any; a device collective being waited for is
+            abandoned once there is one.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class Dispatcher:
         add_process_set: Callable[[Sequence[int]], int],
         remove_process_set: Callable[[int], None],
         device_timeout_s: float = nccl.DEFAULT_TIMEOUT_S,
+        stopped: Callable[[], BaseException | None] | None = None,
     ) -> None:
         self.rank = rank
         self.process_sets = process_sets
@@ -89,6 +92,7 @@ class Dispatcher:
         self.add_process_set = add_process_set
         self.remove_process_set = remove_process_set
         self.device_timeout_s = device_timeout_s
+        self.stopped = stopped
         self.buffers = execute.FusionBuffers()
         self.user_device: torch.device | None = None
         """The CUDA device of this rank's submissions (where its joined zeros go)."""
@@ -161,6 +165,7 @@ class Dispatcher:
             state.device_comm = self.device_comms(comm)
             if isinstance(state.device_comm, nccl.NCCLCommunicator):
                 state.device_comm.timeout_s = self.device_timeout_s
+                state.device_comm.stopped = self.stopped
         return state.device_comm
 
     # Grad mode is per thread and on by default, here as in the user's thread (single-member

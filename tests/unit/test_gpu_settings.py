@@ -33,13 +33,18 @@ def test_the_nccl_timeout_is_a_setting() -> None:
         Config.from_env({"BAGUAHVD_NCCL_TIMEOUT_SECONDS": "0"})
 
 
-def test_device_communicators_get_the_configured_timeout() -> None:
+def test_device_communicators_get_the_timeout_and_the_engines_stop_state() -> None:
     def factory(comm: Communicator) -> Communicator:
         return backend.NCCLCommunicator(fake_mpi.members(2)[0])
 
+    def stopped() -> BaseException | None:
+        return None
+
     dispatcher = Dispatcher(
-        0, {}, RequestQueue(0), None, factory, lambda ranks: 0, lambda ident: None, 42.5
+        0, {}, RequestQueue(0), None, factory, lambda ranks: 0, lambda ident: None, 42.5,
+        stopped,
     )
     state = ProcessSetState(0, (0, 1), comm=object())  # type: ignore[arg-type]
     made = dispatcher.device_comm(state, object())  # type: ignore[arg-type]
     assert isinstance(made, backend.NCCLCommunicator) and made.timeout_s == 42.5
+    assert made.stopped is stopped

@@ -540,3 +540,15 @@ def test_an_aborted_communicator_refuses_further_collectives(fake: FakeCupy) -> 
     with pytest.raises(backend.NCCLError, match="aborted earlier"):
         comm.allreduce(tensor, tensor, ReduceOp.SUM)
     assert fake.log == []
+
+
+def test_a_collective_waited_for_is_abandoned_when_the_engine_stops(fake: FakeCupy) -> None:
+    comm = _bound(fake, timeout_s=60)
+    fake.polls_until_done = -1
+    comm.stopped = lambda: RuntimeError("rank 1 is gone")
+    start = time.monotonic()
+    with pytest.raises(backend.NCCLError, match="engine stopped: rank 1 is gone") as info:
+        comm.allreduce(torch.ones(2), torch.ones(2), ReduceOp.SUM)
+    assert time.monotonic() - start < 5
+    assert not isinstance(info.value, backend.NCCLTimeoutError)
+    assert fake.communicators[0].aborted
