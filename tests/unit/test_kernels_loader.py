@@ -102,7 +102,9 @@ def _fake_cupy(rec: _Recorder) -> SimpleNamespace:
     return SimpleNamespace(
         RawModule=FakeModule,
         from_dlpack=FakeArray,
-        cuda=SimpleNamespace(Device=device, ExternalStream=external_stream),
+        cuda=SimpleNamespace(
+            Device=device, ExternalStream=external_stream, Stream=SimpleNamespace()
+        ),
         FakeArray=FakeArray,
     )
 
@@ -168,6 +170,23 @@ def test_missing_cupy_is_reported_once_and_gives_none(monkeypatch, caplog):
         assert loader.kernels_for(torch.device("cuda", 0)) is None
         assert not loader.available()
     assert sum("CuPy is not installed" in r.message for r in caplog.records) == 1
+
+
+def test_kernels_use_stream_from_external_where_cupy_has_it(fake, monkeypatch):
+    used: list[tuple[int, int]] = []
+
+    @contextlib.contextmanager
+    def from_external(ptr, device_id):
+        used.append((ptr, device_id))
+        yield
+
+    def deprecated(ptr, device_id):
+        raise AssertionError("cupy.cuda.ExternalStream is deprecated in CuPy 14")
+
+    monkeypatch.setattr(fake.cupy.cuda, "Stream", SimpleNamespace(from_external=from_external))
+    monkeypatch.setattr(fake.cupy.cuda, "ExternalStream", deprecated)
+    fake.kernels.elementwise("scale_inplace", [torch.ones(8)], [2.0])
+    assert used == [(1234, 0)]
 
 
 def test_a_failed_compile_falls_back_to_torch_with_one_warning(monkeypatch, caplog):
