@@ -90,8 +90,7 @@ class NCCLTimeoutError(NCCLError):
 _NCCL_MISSING = (
     "CuPy is installed but cannot use NCCL: libnccl.so.2 was not found (or this CuPy build "
     "has no NCCL support). Install NCCL with `pip install nvidia-nccl-cu12` (part of "
-    '`pip install "baguahvd[cuda12]"`) or from NVIDIA\'s packages, and make sure '
-    "libnccl.so.2 is on the library path (LD_LIBRARY_PATH)"
+    "baguahvd[cuda12]) and make sure libnccl.so.2 is on the library path (LD_LIBRARY_PATH)"
 )
 
 
@@ -142,7 +141,7 @@ def is_cuda(tensor: torch.Tensor) -> bool:
 
 def tensor_device(tensor: torch.Tensor) -> torch.device:
     """The CUDA device of ``tensor``, with its index filled in."""
-    if tensor.device.type != "cuda":
+    if not is_cuda(tensor):
         raise ValueError(f"the NCCL backend needs CUDA tensors, got one on {tensor.device}.")
     index = tensor.device.index
     return torch.device("cuda", torch.cuda.current_device() if index is None else index)
@@ -160,6 +159,11 @@ def on_stream(device: torch.device, ptr: int) -> Iterator[None]:
         yield
 
 
+def record_stream(tensor: torch.Tensor, device: torch.device, ptr: int) -> None:
+    """Tells torch's caching allocator that the stream of handle ``ptr`` uses ``tensor``."""
+    tensor.record_stream(torch.cuda.ExternalStream(ptr, device=device))
+
+
 def set_torch_device(device: torch.device) -> None:
     """torch's current device for this thread."""
     torch.cuda.set_device(device)
@@ -167,8 +171,7 @@ def set_torch_device(device: torch.device) -> None:
 
 def thread_cuda_device() -> torch.device | None:
     """This thread's current CUDA device in torch, None without CUDA."""
-    available = torch.cuda.is_available()
-    return torch.device("cuda", torch.cuda.current_device()) if available else None
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 class StreamMark(NamedTuple):
@@ -244,9 +247,8 @@ class NCCLCommunicator(Communicator):
         self._aborted: str | None = None
         self._threads: set[int] = set()
         self._in_unit = False
+        # The engine's stop error, asked while polling: a stopped engine aborts the wait.
         self.stopped: Callable[[], BaseException | None] | None = None
-        """Asked while a collective is polled: an error once the engine has stopped (a peer
-        lost, a shutdown); the collective is then aborted instead of waited for."""
 
     @property
     def device(self) -> torch.device | None:
@@ -364,25 +366,29 @@ class NCCLCommunicator(Communicator):
     @contextmanager
     def ordered(
         self, device: torch.device, marks: Sequence[StreamMark], what: str = "collective"
-    ) -> Iterator[None]:
+    ) -> Iterator[list[torch.Tensor]]:
         """Runs the body (a unit of the engine) on this communicator's stream, after the
         submissions of ``marks``; then makes each submitting stream wait for it and waits
         (polling, with the timeout) until it has finished. Returns only once the unit's
-        results are in place, so its handles may complete."""
+        results are in place, so its handles may complete. The body lists the tensors it
+        made for the submitters (allocated on this stream) in the list it is given."""
         self._bind(device)
         self._select(device)
         for mark in marks:
             self._stream.wait_event(mark.ready)
+        produced: list[torch.Tensor] = []
         self._in_unit = True
         try:
             with on_stream(device, self._stream.ptr):
-                yield
+                yield produced
         finally:
             self._in_unit = False
         done = self._cupy.cuda.Event(disable_timing=True)
         done.record(self._stream)
         for consumer in dict.fromkeys(mark.consumer for mark in marks):
             _external(self._cupy, consumer).wait_event(done)
+            for tensor in produced:
+                record_stream(tensor, device, consumer)
         self._wait(done, what, device)
 
     @contextmanager
@@ -589,6 +595,5 @@ def local_communicator(topology: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> N
 
 
 def cross_communicator(topology: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> NCCLCommunicator:
-    """An NCCL communicator of the ranks with this rank's local rank on every node
-    (``topology.cross_comm``)."""
+    """An NCCL communicator of this local rank's peers (``topology.cross_comm``)."""
     return NCCLCommunicator(topology.cross_comm, timeout_s)

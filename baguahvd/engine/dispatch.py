@@ -97,6 +97,8 @@ class Dispatcher:
         self.user_device: torch.device | None = None
         """The CUDA device of this rank's submissions (where its joined zeros go)."""
         self._deferred: list[Callable[[], None]] | None = None
+        self._produced: list[torch.Tensor] = []
+        """Outputs the running device unit allocated on its communicator's stream."""
 
     def mark(self, request: Request) -> None:
         """Notes where a submission stands in its submitter's CUDA stream (user thread)."""
@@ -131,10 +133,12 @@ class Dispatcher:
         deferred: list[Callable[[], None]] = []
         self._deferred = deferred
         try:
-            with ordered(device, marks, unit[0][0].name):
+            with ordered(device, marks, unit[0][0].name) as produced:
+                self._produced = produced
                 self.execute(unit, comm)
         finally:
             self._deferred = None
+            self._produced = []
         for complete in deferred:
             complete()
 
@@ -260,6 +264,7 @@ class Dispatcher:
     ) -> None:
         """Completes or fails one request."""
         if self._deferred is not None and error is None:
+            self._produced.extend(result or ())
             self._deferred.append(lambda: self.finish(request, result, extra))
             return
         self.queue.done((request,))

@@ -330,6 +330,8 @@ class StreamModel:
         monkeypatch.setattr(backend, "current_stream_ptr", current_stream_ptr)
         monkeypatch.setattr(backend, "on_stream", on_stream)
         monkeypatch.setattr(backend, "set_torch_device", set_torch_device)
+        monkeypatch.setattr(backend, "record_stream", lambda tensor, device, ptr:
+                            model.record_stream(tensor, model.streams[ptr]))
         monkeypatch.setattr(backend, "thread_cuda_device",
                             lambda: torch.device("cuda", model.torch_device()))
         monkeypatch.setattr(backend, "tensor_device", tensor_device)

@@ -264,3 +264,20 @@ def test_a_member_that_joined_first_puts_its_zeros_on_its_gpu(model: StreamModel
     assert rank.dispatcher.user_device == torch.device("cuda", GPU)
     rank.run(model, [(response(OpType.ALLREDUCE, ((3,), (2,))), None)])
     assert rank.nccl.device == torch.device("cuda", GPU)
+
+
+@pytest.mark.parametrize("op", [OpType.ALLGATHER, OpType.REDUCESCATTER, OpType.ALLTOALL])
+def test_outputs_made_on_the_nccl_stream_are_recorded_for_the_users_stream(
+    model: StreamModel, op: OpType
+) -> None:
+    _, shapes, fields = CASES[op.name.lower()]
+    rank, user = Rank(), model.stream("user")
+    with model.active(), model.use(user):
+        request = rank.submit(op, user_tensors(*shapes), None)
+    rank.run(model, [(response(op, tuple(shapes), **fields), request)])
+    with model.active(), model.use(user):
+        (output,) = request.handle.wait() or []
+        output.sum()
+    # The user drops the output; the allocator hands its block to the NCCL stream again.
+    nccl_stream = model.streams[rank.nccl._stream.ptr]
+    model.allocate(output, nccl_stream, model._step(nccl_stream), GPU)
