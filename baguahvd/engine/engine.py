@@ -313,11 +313,12 @@ class Engine:
             root, splits, payload,
         )
         request.activity = getattr(self._activity, "name", None)
-        self._dispatch.mark(request)
         if len(state.ranks) == 1:
             self._queue.check_unique(request)
             self._dispatch.run_alone(request, state)
             return request.handle
+        # Single-member sets run here, in this thread's stream order: nothing to mark.
+        self._dispatch.mark(request)
         self._queue.put(request, self._stop_error)
         return request.handle
 

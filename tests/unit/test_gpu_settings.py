@@ -1,4 +1,5 @@
-"""GPU packaging and settings: the cuda12 extra, the NCCL timeout setting and where it goes."""
+"""GPU packaging and settings: the cuda12 extra, the NCCL timeout setting and where it goes,
+and which submissions take a stream mark."""
 
 from __future__ import annotations
 
@@ -6,14 +7,17 @@ import configparser
 from pathlib import Path
 
 import pytest
+import torch
 
 from baguahvd.backends import nccl as backend
 from baguahvd.backends.base import Communicator
 from baguahvd.common.config import Config
 from baguahvd.engine.dispatch import Dispatcher
 from baguahvd.engine.intake import RequestQueue
+from baguahvd.engine.messages import OpType
 from baguahvd.engine.process_sets import ProcessSetState
 from tests.fakes import fake_mpi
+from tests.fakes.world import start_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,3 +52,20 @@ def test_device_communicators_get_the_timeout_and_the_engines_stop_state() -> No
     made = dispatcher.device_comm(state, object())  # type: ignore[arg-type]
     assert isinstance(made, backend.NCCLCommunicator) and made.timeout_s == 42.5
     assert made.stopped is stopped
+
+
+def test_a_single_member_set_takes_no_stream_mark(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank runs in the caller's thread and stream: no CuPy, no event per submission."""
+
+    def refuse(tensors: object) -> None:
+        raise AssertionError("a single-member set marked its submission")
+
+    monkeypatch.setattr(backend, "mark_submission", refuse)
+    job = start_job(1)
+    try:
+        engine = job.engines[0]
+        tensor = torch.ones(3)
+        handle = engine.submit(OpType.ALLREDUCE, "allreduce", 0, [tensor], [tensor.clone()])
+        assert handle.wait() is not None
+    finally:
+        job.close()
