@@ -129,7 +129,9 @@ class Dispatcher:
             return
         marks = [request.mark for _, request in unit
                  if request is not None and request.mark is not None]
-        device = marks[0].device if marks else (getattr(comm, "device", None) or self.user_device)
+        device = marks[0].device if marks else (
+            getattr(comm, "device", None) or self.user_device or nccl.thread_cuda_device()
+        )
         deferred: list[Callable[[], None]] = []
         self._deferred = deferred
         try:
