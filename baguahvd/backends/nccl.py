@@ -7,13 +7,20 @@ id, MPI broadcasts it to the members and every member creates its NCCL communica
 tensor's device. The engine runs every member's collectives in the same order, so that lazy
 creation is itself collective.
 
-Each communicator has its own CUDA stream. A collective waits for the work already queued on
-torch's current stream (an event recorded there, waited on by the NCCL stream), and torch's
-current stream waits for the collective (an event recorded on the NCCL stream) before it runs
-anything that reads the results. The engine thread then watches the completion event with a
-deadline instead of blocking in CUDA: an NCCL error reported asynchronously, or a collective
-that does not finish in time (a peer died or never called it), aborts the communicator and
-raises :class:`NCCLError` or :class:`NCCLTimeoutError` instead of hanging.
+Streams. Each communicator has its own CUDA stream. When a CUDA tensor is submitted, the
+submitting thread records an event on its current torch stream (a :class:`StreamMark`): the
+collective's stream waits for it, so NCCL never reads a gradient before the kernels that
+write it, whichever stream the user runs them on. The engine runs a whole unit (copy into
+the fusion buffer, scaling, the NCCL call, scaling and copy out) with the communicator's
+stream as torch's current stream (:meth:`NCCLCommunicator.ordered`), then records a
+completion event that every submitting stream waits for, and completes the handles only
+once that event has fired. Each thread that talks to CUDA for a communicator selects the
+communicator's device once (CuPy's and torch's), and never switches back to GPU 0.
+
+The engine thread watches the completion event with a deadline instead of blocking in CUDA:
+an NCCL error reported asynchronously, or a collective that does not finish in time (a peer
+died or never called it), aborts the communicator and raises :class:`NCCLError` or
+:class:`NCCLTimeoutError` instead of hanging.
 
 Buffers are handed to NCCL as raw device pointers (``data_ptr()``), without copies.
 Reductions need a type NCCL knows; collectives that only move data send bytes, so they work
@@ -23,10 +30,11 @@ for every dtype.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -50,21 +58,16 @@ _INSTALL_HINT = (
 
 # NCCL's names of the types it reduces, by torch dtype; bfloat16 joins when NCCL allows it.
 _DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.int8: "NCCL_INT8",
-    torch.uint8: "NCCL_UINT8",
-    torch.int32: "NCCL_INT32",
-    torch.int64: "NCCL_INT64",
-    torch.float16: "NCCL_FLOAT16",
-    torch.float32: "NCCL_FLOAT32",
+    torch.int8: "NCCL_INT8", torch.uint8: "NCCL_UINT8",
+    torch.int32: "NCCL_INT32", torch.int64: "NCCL_INT64",
+    torch.float16: "NCCL_FLOAT16", torch.float32: "NCCL_FLOAT32",
     torch.float64: "NCCL_FLOAT64",
 }
 _BFLOAT16_NAME = "NCCL_BFLOAT16"
 
 _OP_NAMES: dict[ReduceOp, str] = {
-    ReduceOp.SUM: "NCCL_SUM",
-    ReduceOp.PRODUCT: "NCCL_PROD",
-    ReduceOp.MIN: "NCCL_MIN",
-    ReduceOp.MAX: "NCCL_MAX",
+    ReduceOp.SUM: "NCCL_SUM", ReduceOp.PRODUCT: "NCCL_PROD",
+    ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX",
 }
 
 _FIRST_POLL_S = 2e-6
@@ -84,11 +87,18 @@ class NCCLTimeoutError(NCCLError):
     aborted so that no rank stays blocked in it. Usually a peer died or skipped the call."""
 
 
+_NCCL_MISSING = (
+    "CuPy is installed but cannot use NCCL: libnccl.so.2 was not found (or this CuPy build "
+    "has no NCCL support). Install NCCL with `pip install nvidia-nccl-cu12` (part of "
+    "baguahvd[cuda12]) and make sure libnccl.so.2 is on the library path (LD_LIBRARY_PATH)"
+)
+
+
 class NCCLUnavailableError(HorovodInternalError):
     """A CUDA tensor reached the collectives but CuPy with NCCL cannot be imported."""
 
-    def __init__(self, reason: str = "") -> None:
-        super().__init__(f"{_INSTALL_HINT}{f' ({reason})' if reason else ''}")
+    def __init__(self, reason: str = "", message: str = _INSTALL_HINT) -> None:
+        super().__init__(f"{message}{f' ({reason})' if reason else ''}")
 
 
 def import_cupy() -> Any:
@@ -100,11 +110,14 @@ def import_cupy() -> Any:
     """
     try:
         import cupy
+    except ImportError as exc:
+        raise NCCLUnavailableError(f"CuPy is not installed: {exc}") from exc
+    try:
         import cupy.cuda.nccl
     except ImportError as exc:
-        raise NCCLUnavailableError(str(exc)) from exc
+        raise NCCLUnavailableError(str(exc), _NCCL_MISSING) from exc
     if not getattr(cupy.cuda.nccl, "available", True):
-        raise NCCLUnavailableError("CuPy was built without NCCL")
+        raise NCCLUnavailableError(message=_NCCL_MISSING)
     return cupy
 
 
@@ -122,9 +135,13 @@ def op_table(nccl: Any) -> dict[ReduceOp, int]:
     return {op: int(getattr(nccl, name)) for op, name in _OP_NAMES.items()}
 
 
+def is_cuda(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cuda"
+
+
 def tensor_device(tensor: torch.Tensor) -> torch.device:
     """The CUDA device of ``tensor``, with its index filled in."""
-    if tensor.device.type != "cuda":
+    if not is_cuda(tensor):
         raise ValueError(f"the NCCL backend needs CUDA tensors, got one on {tensor.device}.")
     index = tensor.device.index
     return torch.device("cuda", torch.cuda.current_device() if index is None else index)
@@ -133,6 +150,60 @@ def tensor_device(tensor: torch.Tensor) -> torch.device:
 def current_stream_ptr(device: torch.device) -> int:
     """The handle of this thread's current torch stream on ``device``."""
     return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+@contextmanager
+def on_stream(device: torch.device, ptr: int) -> Iterator[None]:
+    """Makes the stream of handle ``ptr`` torch's current stream on ``device`` (this thread)."""
+    with torch.cuda.stream(torch.cuda.ExternalStream(ptr, device=device)):
+        yield
+
+
+def record_stream(tensor: torch.Tensor, device: torch.device, ptr: int) -> None:
+    """Tells torch's caching allocator that the stream of handle ``ptr`` uses ``tensor``."""
+    tensor.record_stream(torch.cuda.ExternalStream(ptr, device=device))
+
+
+def set_torch_device(device: torch.device) -> None:
+    """torch's current device for this thread."""
+    torch.cuda.set_device(device)
+
+
+def thread_cuda_device() -> torch.device | None:
+    """This thread's current CUDA device in torch, None without CUDA."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+class StreamMark(NamedTuple):
+    """Where a submitted collective stands in its submitter's stream: the device, the
+    submitting thread's current stream (which consumes the results) and an event recorded on
+    it when submitted (after the work producing the inputs)."""
+
+    device: torch.device
+    consumer: int
+    ready: Any
+
+
+def mark_submission(tensors: Sequence[torch.Tensor]) -> StreamMark | None:
+    """The :class:`StreamMark` of a submission of ``tensors``; None unless they are CUDA
+    tensors. Called on the submitting thread."""
+    if not tensors or not is_cuda(tensors[0]):
+        return None
+    device = tensor_device(tensors[0])
+    cupy = import_cupy()
+    # A context manager here: the user's thread keeps whatever CuPy device it had.
+    with cupy.cuda.Device(device.index):
+        consumer = current_stream_ptr(device)
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(_external(cupy, consumer))
+    return StreamMark(device, consumer, ready)
+
+
+def _external(cupy: Any, ptr: int) -> Any:
+    stream = cupy.cuda.Stream
+    if hasattr(stream, "from_external"):
+        return stream.from_external(ptr)
+    return cupy.cuda.ExternalStream(ptr)
 
 
 def _ptr(tensor: torch.Tensor, offset: int = 0) -> int:
@@ -174,6 +245,10 @@ class NCCLCommunicator(Communicator):
         self._handle: Any = None
         self._stream: Any = None
         self._aborted: str | None = None
+        self._threads: set[int] = set()
+        self._in_unit = False
+        # The engine's stop error, asked while polling: a stopped engine aborts the wait.
+        self.stopped: Callable[[], BaseException | None] | None = None
 
     @property
     def device(self) -> torch.device | None:
@@ -205,20 +280,30 @@ class NCCLCommunicator(Communicator):
             return
         nccl = self._load()
         cupy = self._cupy
-        with cupy.cuda.Device(device.index):
-            unique_id = nccl.get_unique_id() if self.rank == 0 else None
-            unique_id = self.comm.bcast(unique_id, root=0)
-            try:
-                handle = nccl.NcclCommunicator(self.size, unique_id, self.rank)
-            except nccl.NcclError as exc:
-                raise NCCLError(
-                    f"creating the NCCL communicator of {self.size} ranks on {device} failed: "
-                    f"{exc}"
-                ) from exc
-            self._stream = cupy.cuda.Stream(non_blocking=True)
+        self._select(device)
+        unique_id = nccl.get_unique_id() if self.rank == 0 else None
+        unique_id = self.comm.bcast(unique_id, root=0)
+        try:
+            handle = nccl.NcclCommunicator(self.size, unique_id, self.rank)
+        except nccl.NcclError as exc:
+            raise NCCLError(
+                f"creating the NCCL communicator of {self.size} ranks on {device} failed: "
+                f"{exc}"
+            ) from exc
+        self._stream = cupy.cuda.Stream(non_blocking=True)
         self._handle = handle
         self._device = device
         logger.debug("NCCL communicator of %d ranks created on %s", self.size, device)
+
+    def _select(self, device: torch.device) -> None:
+        """Selects ``device`` in CuPy and torch for the calling thread, once per thread. A
+        thread never switches back: that would make a CUDA context on another GPU."""
+        thread = threading.get_ident()
+        if thread in self._threads:
+            return
+        self._cupy.cuda.Device(device.index).use()
+        set_torch_device(device)
+        self._threads.add(thread)
 
     def _reduce_type(self, dtype: torch.dtype) -> int:
         self._load()
@@ -256,19 +341,54 @@ class NCCLCommunicator(Communicator):
         torch's current stream and before whatever it runs next, and waits for completion
         with the timeout."""
         self._bind(device)
+        self._select(device)
+        if self._in_unit:
+            # Inside ordered(): the stream order is already arranged around the whole unit.
+            self._launch(what, device, launch)
+            return
         cupy = self._cupy
-        with cupy.cuda.Device(device.index):
-            consumer = cupy.cuda.ExternalStream(current_stream_ptr(device))
-            ready = cupy.cuda.Event(disable_timing=True)
-            ready.record(consumer)
-            self._stream.wait_event(ready)
-            try:
-                launch(self._handle, self._stream.ptr)
-            except self._nccl.NcclError as exc:
-                raise NCCLError(f"NCCL {what} on {device} failed: {exc}") from exc
-            done = cupy.cuda.Event(disable_timing=True)
-            done.record(self._stream)
-            consumer.wait_event(done)
+        consumer = _external(cupy, current_stream_ptr(device))
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(consumer)
+        self._stream.wait_event(ready)
+        self._launch(what, device, launch)
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(self._stream)
+        consumer.wait_event(done)
+        self._wait(done, what, device)
+
+    def _launch(self, what: str, device: torch.device, launch: Callable[[Any, int], None]) -> None:
+        try:
+            launch(self._handle, self._stream.ptr)
+        except self._nccl.NcclError as exc:
+            raise NCCLError(f"NCCL {what} on {device} failed: {exc}") from exc
+
+    @contextmanager
+    def ordered(
+        self, device: torch.device, marks: Sequence[StreamMark], what: str = "collective"
+    ) -> Iterator[list[torch.Tensor]]:
+        """Runs the body (a unit of the engine) on this communicator's stream, after the
+        submissions of ``marks``; then makes each submitting stream wait for it and waits
+        (polling, with the timeout) until it has finished. Returns only once the unit's
+        results are in place, so its handles may complete. The body lists the tensors it
+        made for the submitters (allocated on this stream) in the list it is given."""
+        self._bind(device)
+        self._select(device)
+        for mark in marks:
+            self._stream.wait_event(mark.ready)
+        produced: list[torch.Tensor] = []
+        self._in_unit = True
+        try:
+            with on_stream(device, self._stream.ptr):
+                yield produced
+        finally:
+            self._in_unit = False
+        done = self._cupy.cuda.Event(disable_timing=True)
+        done.record(self._stream)
+        for consumer in dict.fromkeys(mark.consumer for mark in marks):
+            _external(self._cupy, consumer).wait_event(done)
+            for tensor in produced:
+                record_stream(tensor, device, consumer)
         self._wait(done, what, device)
 
     @contextmanager
@@ -287,6 +407,11 @@ class NCCLCommunicator(Communicator):
         delay = _FIRST_POLL_S
         while not done.done:
             self._check_async_error(what, device)
+            stopped = self.stopped() if self.stopped is not None else None
+            if stopped is not None:
+                reason = f"NCCL {what} on {device} was abandoned because the engine stopped"
+                self.abort(f"{reason}: {stopped}")
+                raise NCCLError(f"{reason}: {stopped}. The NCCL communicator was aborted.")
             if time.monotonic() >= deadline:
                 reason = (
                     f"NCCL {what} on {device} did not finish within {self.timeout_s:g} s; a "
@@ -470,6 +595,5 @@ def local_communicator(topology: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> N
 
 
 def cross_communicator(topology: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> NCCLCommunicator:
-    """An NCCL communicator of the ranks with this rank's local rank on every node
-    (``topology.cross_comm``)."""
+    """An NCCL communicator of this local rank's peers (``topology.cross_comm``)."""
     return NCCLCommunicator(topology.cross_comm, timeout_s)

@@ -163,7 +163,11 @@ class Config:
     disable_group_fusion: bool = False
     """Do not fuse grouped requests with other requests (HOROVOD_DISABLE_GROUP_FUSION)."""
     num_nccl_streams: int = 1
-    """CUDA streams for NCCL work (HOROVOD_NUM_NCCL_STREAMS)."""
+    """Accepted for Horovod compatibility and ignored (HOROVOD_NUM_NCCL_STREAMS): each
+    process set's NCCL communicator runs on one CUDA stream."""
+    nccl_timeout_s: float = 600.0
+    """Seconds one GPU collective may take before its NCCL communicator is aborted and
+    ``NCCLTimeoutError`` raised (BAGUAHVD_NCCL_TIMEOUT_SECONDS; torch's NCCL default)."""
     thread_affinity: tuple[int, ...] = ()
     """CPU cores for the engine thread, indexed by local rank (HOROVOD_THREAD_AFFINITY)."""
     algorithm: str | None = None
@@ -251,6 +255,9 @@ class Config:
             mpi_threads_disable=_as_bool(env, "MPI_THREADS_DISABLE"),
             disable_group_fusion=_as_bool(env, "DISABLE_GROUP_FUSION"),
             num_nccl_streams=int(_as_number(env, "NUM_NCCL_STREAMS", 1, int, minimum=1)),
+            nccl_timeout_s=_as_number(
+                env, "NCCL_TIMEOUT_SECONDS", cls.nccl_timeout_s, horovod_alias=False, minimum=1
+            ),
             thread_affinity=affinity,
             algorithm=_lookup(env, "ALGORITHM", horovod_alias=False),
             bucket_bytes=int(

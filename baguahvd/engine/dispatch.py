@@ -7,6 +7,11 @@ the factory the engine was given: every member runs the agreed units in the same
 all of them make it in the same one). The tensor arithmetic lives in
 :mod:`~baguahvd.engine.execute`; process-set changes are handed back to the engine.
 
+Device units run inside their communicator's ``ordered`` scope (see
+:meth:`baguahvd.backends.nccl.NCCLCommunicator.ordered`): after the submitters' streams, on
+the communicator's stream, and their handles complete only when the unit's completion event
+has fired. A member that joined contributes zeros on the device its submissions used.
+
 A collective that raises here raises to the caller: on the engine thread that fails the
 job (see :class:`CollectiveFailure`); for a single-member set, which never leaves the
 calling thread, it fails that request only.
@@ -19,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from baguahvd.backends import nccl
 from baguahvd.backends.base import Communicator, DeviceCommFactory, SelfCommunicator
 from baguahvd.common.exceptions import HorovodInternalError, MismatchError
 from baguahvd.engine import execute
@@ -61,6 +67,9 @@ class Dispatcher:
         device_comms: makes device communicators; None where there are none.
         add_process_set: registers a set of ranks (collective), returns its id.
         remove_process_set: removes the set of an id (collective).
+        device_timeout_s: how long one collective of a device communicator may take.
+        stopped: the engine's stop error, if any; a device collective being waited for is
+            abandoned once there is one.
     """
 
     def __init__(
@@ -72,6 +81,8 @@ class Dispatcher:
         device_comms: DeviceCommFactory | None,
         add_process_set: Callable[[Sequence[int]], int],
         remove_process_set: Callable[[int], None],
+        device_timeout_s: float = nccl.DEFAULT_TIMEOUT_S,
+        stopped: Callable[[], BaseException | None] | None = None,
     ) -> None:
         self.rank = rank
         self.process_sets = process_sets
@@ -80,7 +91,23 @@ class Dispatcher:
         self.device_comms = device_comms
         self.add_process_set = add_process_set
         self.remove_process_set = remove_process_set
+        self.device_timeout_s = device_timeout_s
+        self.stopped = stopped
         self.buffers = execute.FusionBuffers()
+        self.user_device: torch.device | None = None
+        """The CUDA device of this rank's submissions (where its joined zeros go)."""
+        self._deferred: list[Callable[[], None]] | None = None
+        self._produced: list[torch.Tensor] = []
+        """Outputs the running device unit allocated on its communicator's stream."""
+
+    def mark(self, request: Request) -> None:
+        """Notes where a submission stands in its submitter's CUDA stream (user thread)."""
+        mark = nccl.mark_submission(request.inputs)
+        request.mark = mark
+        if mark is not None:
+            self.user_device = mark.device
+        elif request.meta.op == OpType.JOIN and self.user_device is None:
+            self.user_device = nccl.thread_cuda_device()
 
     def run_unit(self, unit: list[Entry]) -> None:
         """Runs one agreed unit on this rank (engine thread); raises what it raised."""
@@ -89,9 +116,33 @@ class Dispatcher:
         if state is None or state.comm is None:
             return
         if response.device != "CPU" and response.error is None:
-            self.execute(unit, self.device_comm(state, state.comm))
+            self.execute_ordered(unit, self.device_comm(state, state.comm))
             return
         self.execute(unit, state.comm)
+
+    def execute_ordered(self, unit: list[Entry], comm: Communicator) -> None:
+        """:meth:`execute` in the stream order of a device communicator (module docstring);
+        the handles complete once the unit's results are in place."""
+        ordered = getattr(comm, "ordered", None)
+        if ordered is None:
+            self.execute(unit, comm)
+            return
+        marks = [request.mark for _, request in unit
+                 if request is not None and request.mark is not None]
+        device = marks[0].device if marks else (
+            getattr(comm, "device", None) or self.user_device or nccl.thread_cuda_device()
+        )
+        deferred: list[Callable[[], None]] = []
+        self._deferred = deferred
+        try:
+            with ordered(device, marks, unit[0][0].name) as produced:
+                self._produced = produced
+                self.execute(unit, comm)
+        finally:
+            self._deferred = None
+            self._produced = []
+        for complete in deferred:
+            complete()
 
     def run_alone(self, request: Request, state: ProcessSetState) -> None:
         """A single-member process set: no negotiation, no communication."""
@@ -118,6 +169,9 @@ class Dispatcher:
                     "cannot be reduced"
                 )
             state.device_comm = self.device_comms(comm)
+            if isinstance(state.device_comm, nccl.NCCLCommunicator):
+                state.device_comm.timeout_s = self.device_timeout_s
+                state.device_comm.stopped = self.stopped
         return state.device_comm
 
     def execute(self, unit: list[Entry], comm: Communicator) -> None:
@@ -165,7 +219,7 @@ class Dispatcher:
             return
         op = response.op
         if op == OpType.ALLREDUCE:
-            execute.allreduce(comm, unit, self.buffers, phase)
+            execute.allreduce(comm, unit, self.buffers, phase, self.user_device)
             self.complete_all(requests)
             return
         if op == OpType.BARRIER:
@@ -200,6 +254,9 @@ class Dispatcher:
     def complete_all(self, requests: list[Request]) -> None:
         """:meth:`finish` for the requests of a unit that succeeded, with their outputs: one
         lock and one timeline check for all of them."""
+        if self._deferred is not None:
+            self._deferred.append(lambda: self.complete_all(requests))
+            return
         self.queue.done(requests)
         timeline = self.timeline
         if timeline is not None and timeline.active:
@@ -219,6 +276,10 @@ class Dispatcher:
         error: BaseException | None = None,
     ) -> None:
         """Completes or fails one request."""
+        if self._deferred is not None and error is None:
+            self._produced.extend(result or ())
+            self._deferred.append(lambda: self.finish(request, result, extra))
+            return
         self.queue.done((request,))
         timeline = self.timeline
         if timeline is not None and timeline.active:

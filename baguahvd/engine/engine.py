@@ -124,7 +124,8 @@ class Engine:
         )
         self._dispatch = Dispatcher(
             self.rank, self.process_sets, self._queue, self.timeline, device_comms,
-            self.register_process_set, self._remove_process_set,
+            self.register_process_set, self._remove_process_set, config.nccl_timeout_s,
+            self._stop_error,
         )
         self._executing: list[Request] = []
         self.cycles = 0
@@ -327,6 +328,8 @@ class Engine:
             self._queue.check_unique(request)
             self._dispatch.run_alone(request, state)
             return request.handle
+        # Single-member sets run here, in this thread's stream order: nothing to mark.
+        self._dispatch.mark(request)
         self._queue.put(request, self._stop_error)
         return request.handle
 

@@ -125,23 +125,30 @@ def _factors(response: Response, group_size: int) -> tuple[ReduceOp, float, floa
     return op, response.prescale, post
 
 
-def _joined_device(comm: Communicator, response: Response) -> torch.device:
-    """Where a member that joined puts its zeros: the GPU its communicator uses."""
+def _joined_device(
+    comm: Communicator, response: Response, user_device: torch.device | None = None
+) -> torch.device:
+    """Where a member that joined puts its zeros: the GPU its communicator uses, else the
+    one its user thread submitted from (never the engine thread's own current device, which
+    is GPU 0 until a device collective selects one)."""
     if response.device == "CPU":
         return torch.device("cpu")
     device = getattr(comm, "device", None)
     if isinstance(device, torch.device):
         return device
+    if user_device is not None:
+        return user_device
     return torch.device("cuda", torch.cuda.current_device())
 
 
 def _inputs_outputs(
-    entry: Entry, dtype: torch.dtype, comm: Communicator
+    entry: Entry, dtype: torch.dtype, comm: Communicator,
+    user_device: torch.device | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     response, request = entry
     if request is None:
         # A member that joined: it contributes zeros and keeps nothing.
-        device = _joined_device(comm, response)
+        device = _joined_device(comm, response, user_device)
         zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape in response.shapes]
         return zeros, zeros
     assert request.outputs is not None
@@ -153,6 +160,7 @@ def allreduce(
     entries: Sequence[Entry],
     buffers: FusionBuffers,
     phase: Callable[[str], None] | None = None,
+    user_device: torch.device | None = None,
 ) -> None:
     """Allreduces every tensor of ``entries`` (same dtype, op and factors) in one call.
 
@@ -166,7 +174,7 @@ def allreduce(
     if first.reduce_op == ReduceOp.ADASUM:
         phase("COMMUNICATE")
         for entry in entries:
-            for tensor_in, tensor_out in zip(*_inputs_outputs(entry, dtype, comm)):
+            for tensor_in, tensor_out in zip(*_inputs_outputs(entry, dtype, comm, user_device)):
                 adasum(comm, tensor_in, tensor_out, first.prescale, first.postscale)
         return
     op, pre, post = _factors(first, comm.size)
@@ -178,7 +186,7 @@ def allreduce(
             inputs += request.inputs
             outputs += request.outputs
         else:
-            zeros, _ = _inputs_outputs(entry, dtype, comm)
+            zeros, _ = _inputs_outputs(entry, dtype, comm, user_device)
             inputs += zeros
             outputs += zeros
     if len(inputs) == 1:

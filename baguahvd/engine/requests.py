@@ -72,7 +72,9 @@ class Handle:
 class Request:
     """A submitted collective: its description, its tensors and its handle."""
 
-    __slots__ = ("meta", "inputs", "outputs", "handle", "submitted", "ident", "activity")
+    __slots__ = (
+        "meta", "inputs", "outputs", "handle", "submitted", "ident", "activity", "mark"
+    )
 
     def __init__(
         self,
@@ -91,3 +93,6 @@ class Request:
         self.activity: str | None = None
         """The timeline activity drawn around its collective, e.g. ``BAGUA_BYTEGRAD`` (see
         :meth:`baguahvd.engine.engine.Engine.activity`)."""
+        self.mark: Any = None
+        """Where the submission stands in its submitter's CUDA stream
+        (:class:`baguahvd.backends.nccl.StreamMark`), None for CPU tensors."""

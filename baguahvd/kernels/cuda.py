@@ -114,7 +114,7 @@ class CudaKernels:
         arrays: dict[int, Any] = {}
         with cupy.cuda.Device(index):
             # RawKernel launches on CuPy's current stream: make it torch's.
-            with cupy.cuda.ExternalStream(torch_stream.cuda_stream, index):
+            with _external_stream(cupy, torch_stream.cuda_stream, index):
                 for name, grid, block, args in launches:
                     converted = []
                     for arg in args:
@@ -264,6 +264,15 @@ class CudaKernels:
         return x
 
 
+def _external_stream(cupy: Any, ptr: int, index: int) -> Any:
+    """CuPy's view of an existing stream: ``Stream.from_external`` (CuPy 14, where
+    ``ExternalStream`` warns on every construction), else ``ExternalStream``."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(ptr, index)
+    return cupy.cuda.ExternalStream(ptr, index)
+
+
 class CudaKernelLoader:
     """Compiles the kernels once per device, on first use, and hands them out.
 
@@ -276,6 +285,8 @@ class CudaKernelLoader:
         self._cupy: Any | None = None
         self._probed = False
         self._kernels: dict[int, CudaKernels] = {}
+        self._failed: set[int] = set()
+        """Devices whose compile failed: their kernels run as torch ops."""
 
     def _cupy_module(self) -> Any | None:
         if not self._probed:
@@ -294,27 +305,30 @@ class CudaKernelLoader:
             return self._cupy_module() is not None
 
     def kernels_for(self, device: torch.device) -> CudaKernels | None:
-        """Returns the compiled kernels for a CUDA ``device``, or None without CuPy.
-
-        Raises:
-            RuntimeError: NVRTC rejected the sources (a broken install, never expected).
-        """
+        """Returns the compiled kernels for a CUDA ``device``, or None without CuPy or when
+        they cannot be compiled there (NVRTC missing, an unsupported GPU): the callers then
+        run the torch implementation. A failed compile is reported once per device."""
         index = device.index if device.index is not None else torch.cuda.current_device()
         with self._lock:
             kernels = self._kernels.get(index)
             if kernels is not None:
                 return kernels
             cupy = self._cupy_module()
-            if cupy is None:
+            if cupy is None or index in self._failed:
                 return None
             with cupy.cuda.Device(index):
                 try:
                     module = cupy.RawModule(code=nvrtc_source(), options=NVRTC_OPTIONS)
                     module.compile()
-                except Exception as exc:
-                    raise RuntimeError(
-                        f"compiling the baguahvd CUDA kernels failed: {exc}"
-                    ) from exc
+                except Exception as exc:  # noqa: BLE001 - any failure means: use torch
+                    self._failed.add(index)
+                    logger.warning(
+                        "compiling the baguahvd CUDA kernels for cuda:%d failed, so they run "
+                        "as torch ops (slower): %s. CuPy 14 needs NVRTC from the CUDA "
+                        "toolkit or `pip install nvidia-cuda-nvrtc-cu12` (included in "
+                        "baguahvd[cuda12]).", index, exc,
+                    )
+                    return None
             kernels = CudaKernels(cupy, module, torch.device("cuda", index))
             self._kernels[index] = kernels
             return kernels

@@ -116,10 +116,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             local_mean = x.mean(dims)
             local_m2 = (x - _per_channel(local_mean, x)).square().sum(dims)
         else:
-            local_mean = torch.zeros(channels, dtype=compute)
-            local_m2 = torch.zeros(channels, dtype=compute)
+            local_mean = x.new_zeros(channels)
+            local_m2 = x.new_zeros(channels)
+        # On the input's device: a CUDA input cannot be concatenated with host tensors.
         local = torch.cat(
-            [torch.tensor([float(count)], dtype=torch.float64),
+            [x.new_full((1,), float(count), dtype=torch.float64),
              local_mean.double(), local_m2.double()]
         )
         gathered = allgather(local.unsqueeze(0), name=_STATS_NAME)

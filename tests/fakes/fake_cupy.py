@@ -168,6 +168,9 @@ class FakeCupy:
             def __exit__(self, *exc: object) -> None:
                 log.append(("Device.exit", self.id))
 
+            def use(self) -> None:
+                log.append(("Device.use", self.id))
+
         class Event:
             def __init__(self, block: bool = False, disable_timing: bool = False,
                          interprocess: bool = False) -> None:
@@ -193,6 +196,12 @@ class FakeCupy:
 
             def wait_event(self, event: Event) -> None:
                 log.append(("Stream.wait_event", self.ptr, event.id))
+
+            @classmethod
+            def from_external(cls, ptr: int, device_id: int = -1) -> Stream:
+                stream = cls.__new__(cls)
+                stream.ptr, stream.non_blocking = ptr, False
+                return stream
 
         class ExternalStream(Stream):
             def __init__(self, ptr: int, device_id: int = -1) -> None:

@@ -102,7 +102,9 @@ def _fake_cupy(rec: _Recorder) -> SimpleNamespace:
     return SimpleNamespace(
         RawModule=FakeModule,
         from_dlpack=FakeArray,
-        cuda=SimpleNamespace(Device=device, ExternalStream=external_stream),
+        cuda=SimpleNamespace(
+            Device=device, ExternalStream=external_stream, Stream=SimpleNamespace()
+        ),
         FakeArray=FakeArray,
     )
 
@@ -168,6 +170,42 @@ def test_missing_cupy_is_reported_once_and_gives_none(monkeypatch, caplog):
         assert loader.kernels_for(torch.device("cuda", 0)) is None
         assert not loader.available()
     assert sum("CuPy is not installed" in r.message for r in caplog.records) == 1
+
+
+def test_kernels_use_stream_from_external_where_cupy_has_it(fake, monkeypatch):
+    used: list[tuple[int, int]] = []
+
+    @contextlib.contextmanager
+    def from_external(ptr, device_id):
+        used.append((ptr, device_id))
+        yield
+
+    def deprecated(ptr, device_id):
+        raise AssertionError("cupy.cuda.ExternalStream is deprecated in CuPy 14")
+
+    monkeypatch.setattr(fake.cupy.cuda, "Stream", SimpleNamespace(from_external=from_external))
+    monkeypatch.setattr(fake.cupy.cuda, "ExternalStream", deprecated)
+    fake.kernels.elementwise("scale_inplace", [torch.ones(8)], [2.0])
+    assert used == [(1234, 0)]
+
+
+def test_a_failed_compile_falls_back_to_torch_with_one_warning(monkeypatch, caplog):
+    rec = _Recorder()
+    cupy = _fake_cupy(rec)
+
+    def broken_compile(self) -> None:
+        raise RuntimeError("nvrtc: libnvrtc.so.12 not found")
+
+    monkeypatch.setattr(cupy.RawModule, "compile", broken_compile)
+    monkeypatch.setattr(cuda_mod, "_import_cupy", lambda: cupy)
+    loader = cuda_mod.CudaKernelLoader()
+    with caplog.at_level(logging.WARNING, logger=cuda_mod.__name__):
+        assert loader.kernels_for(torch.device("cuda", 0)) is None
+        assert loader.kernels_for(torch.device("cuda", 0)) is None
+    warnings = [r.message for r in caplog.records if "compiling" in r.message]
+    assert len(warnings) == 1
+    assert "libnvrtc" in warnings[0] and "nvidia-cuda-nvrtc-cu12" in warnings[0]
+    assert len(rec.modules) == 1
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)

@@ -40,6 +40,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeCupy:
     cupy.install(monkeypatch)
     monkeypatch.setattr(backend, "tensor_device", lambda tensor: DEVICE)
     monkeypatch.setattr(backend, "current_stream_ptr", lambda device: TORCH_STREAM)
+    monkeypatch.setattr(backend, "set_torch_device", lambda device: None)
     return cupy
 
 
@@ -105,13 +106,24 @@ def test_missing_cupy_raises_the_install_hint(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setitem(sys.modules, "cupy", None)
     with pytest.raises(backend.NCCLUnavailableError, match=r"baguahvd\[cuda12\]") as info:
         backend.import_cupy()
+    assert "CuPy is not installed" in str(info.value)
     assert isinstance(info.value, HorovodInternalError)
 
 
 def test_cupy_without_nccl_raises_the_install_hint(fake: FakeCupy) -> None:
     fake.cupy.cuda.nccl.available = False
-    with pytest.raises(backend.NCCLUnavailableError, match="without NCCL"):
+    with pytest.raises(backend.NCCLUnavailableError, match="libnccl.so.2 was not found") as info:
         _comm().allreduce(torch.ones(2), torch.ones(2), ReduceOp.SUM)
+    assert "pip install nvidia-nccl-cu12" in str(info.value)
+    assert "LD_LIBRARY_PATH" in str(info.value)
+
+
+def test_cupy_whose_nccl_bindings_fail_to_load_says_nccl_is_missing(
+    fake: FakeCupy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", None)
+    with pytest.raises(backend.NCCLUnavailableError, match="cannot use NCCL"):
+        backend.import_cupy()
 
 
 # ---------------------------------------------------------------------------------------
@@ -195,6 +207,7 @@ def test_bfloat16_is_reduced_in_float32_before_nccl_2_10(monkeypatch: pytest.Mon
     fake.install(monkeypatch)
     monkeypatch.setattr(backend, "tensor_device", lambda tensor: DEVICE)
     monkeypatch.setattr(backend, "current_stream_ptr", lambda device: TORCH_STREAM)
+    monkeypatch.setattr(backend, "set_torch_device", lambda device: None)
     tensor_in = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
     tensor_out = torch.zeros(3, dtype=torch.bfloat16)
     _comm().allreduce(tensor_in, tensor_out, ReduceOp.SUM)
@@ -234,10 +247,11 @@ def test_the_communicator_is_created_once_on_the_tensors_device(fake: FakeCupy) 
         comm.broadcast(torch.ones(2), 0)
     assert len(_calls(fake, "NcclCommunicator")) == 1
     assert len(_calls(fake, "Stream")) == 1
-    creation = fake.log.names()[: fake.log.names().index("Device.exit") + 1]
-    assert creation == ["Device.enter", "get_unique_id", "NcclCommunicator", "Stream",
-                        "Device.exit"]
-    assert fake.log[0] == ("Device.enter", 0)
+    creation = fake.log.names()[: fake.log.names().index("Stream") + 1]
+    # The device is selected once for the thread and never restored to another one.
+    assert creation == ["Device.use", "get_unique_id", "NcclCommunicator", "Stream"]
+    assert fake.log[0] == ("Device.use", 0)
+    assert "Device.exit" not in fake.log.names()
     assert _calls(fake, "Stream") == [("Stream", NCCL_STREAM_BASE, True)]
 
 
@@ -299,7 +313,6 @@ def test_stream_and_event_order_around_a_collective(fake: FakeCupy) -> None:
     events = [entry[1] for entry in fake.log if entry[0] == "Event.record"]
     ready, done = events
     assert fake.log == [
-        ("Device.enter", 0),
         # The NCCL stream waits for what torch's current stream has queued so far...
         ("Event.record", ready, TORCH_STREAM),
         ("Stream.wait_event", NCCL_STREAM_BASE, ready),
@@ -307,7 +320,6 @@ def test_stream_and_event_order_around_a_collective(fake: FakeCupy) -> None:
         # ...and torch's stream waits for the collective before reading the result.
         ("Event.record", done, NCCL_STREAM_BASE),
         ("Stream.wait_event", TORCH_STREAM, done),
-        ("Device.exit", 0),
         # The engine thread then watches the completion event; nothing synchronizes the
         # device.
         ("Event.done", done),
@@ -528,3 +540,15 @@ def test_an_aborted_communicator_refuses_further_collectives(fake: FakeCupy) -> 
     with pytest.raises(backend.NCCLError, match="aborted earlier"):
         comm.allreduce(tensor, tensor, ReduceOp.SUM)
     assert fake.log == []
+
+
+def test_a_collective_waited_for_is_abandoned_when_the_engine_stops(fake: FakeCupy) -> None:
+    comm = _bound(fake, timeout_s=60)
+    fake.polls_until_done = -1
+    comm.stopped = lambda: RuntimeError("rank 1 is gone")
+    start = time.monotonic()
+    with pytest.raises(backend.NCCLError, match="engine stopped: rank 1 is gone") as info:
+        comm.allreduce(torch.ones(2), torch.ones(2), ReduceOp.SUM)
+    assert time.monotonic() - start < 5
+    assert not isinstance(info.value, backend.NCCLTimeoutError)
+    assert fake.communicators[0].aborted

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from baguahvd.backends import nccl
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.common.ops import ReduceOp
 from baguahvd.kernels import async_model_average_
@@ -120,6 +121,13 @@ class AsyncModelAverageAlgorithm(Algorithm):
 
     def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
         for name, p in context.parameters:
+            if nccl.is_cuda(p):
+                raise ValueError(
+                    "async model averaging exchanges the weights over MPI from host memory "
+                    f"and does not take CUDA tensors yet; parameter {name} is on {p.device}. "
+                    "Use gradient_allreduce, bytegrad or decentralized on GPUs, or keep this "
+                    "model on the CPU."
+                )
             if not p.is_floating_point():
                 raise ValueError(
                     f"async model averaging averages floating-point weights; parameter "

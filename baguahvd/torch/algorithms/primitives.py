@@ -85,7 +85,7 @@ def compressed_average(
 ) -> None:
     """Steps 1-5 of :class:`MinMaxUInt8` on ``flat`` among ``group_size`` members."""
     if flat.numel() % group_size:
-        padded = torch.zeros(-(-flat.numel() // group_size) * group_size, dtype=flat.dtype)
+        padded = flat.new_zeros(-(-flat.numel() // group_size) * group_size)
         padded[: flat.numel()].copy_(flat)
         compressed_average(padded, name, process_set, group_size, average)
         flat.copy_(padded[: flat.numel()])
