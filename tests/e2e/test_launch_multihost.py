@@ -114,7 +114,7 @@ def test_baguahvdrun_across_three_hosts(cluster: str) -> None:
 # script reports a host that left): the next commit ends the launch with the resize status,
 # and the launcher relaunches on lt0 and lt1, which resume from that commit.
 _ELASTIC_TRAIN = """
-import os, socket, sys
+import os, socket, sys, time
 import torch
 import baguahvd.torch as hvd
 
@@ -137,6 +137,10 @@ def train(state):
         if state.step == 5 and hvd.size() == 3 and hvd.rank() == 0:
             with open(os.environ["HOSTS_FILE"], "w") as hosts:
                 hosts.write("lt0:1\\nlt1:1\\n")
+        if state.step >= 5 and hvd.size() == 3:
+            # Leave the launcher's discovery poll time to see the change before training
+            # ends, however loaded the machine is.
+            time.sleep(1.0)
         state.commit()
 
 
