@@ -11,13 +11,13 @@ The protocol:
 2. The first ``warmup_samples`` samples run the initial settings and are discarded (the
    first steps pay for allocations and cache misses).
 3. When a sample ends, rank 0 logs it and proposes the next candidate of the
-   :class:`GridSearch`. The proposal rides in the next cycle's
-   :class:`~baguahvd.engine.notices.Decision`: rank 0 asks for a full negotiation (its "I have
-   something to send" bit), every rank receives the same decision in the same cycle, and
-   every rank applies the settings when that cycle ends. Every rank therefore changes
-   settings between the same two cycles, and no collective is ever fused or timed under
-   settings that differ between ranks (fused buffers are matched by position, so the fusion
-   plans must agree).
+   :class:`GridSearch` (:mod:`~baguahvd.common.search` says how it searches and why).
+   The proposal rides in the next cycle's :class:`~baguahvd.engine.notices.Decision`:
+   rank 0 asks for a full negotiation (its "I have something to send" bit), every rank
+   receives the same decision in the same cycle, and every rank applies the settings
+   when that cycle ends. Every rank therefore changes settings between the same two
+   cycles, and no collective is ever fused under settings that differ between ranks
+   (fused buffers are matched by position, so the fusion plans must agree).
 4. After ``max_samples`` candidates the best-scoring settings are proposed once more, the
    same way, and stay.
 
@@ -28,10 +28,11 @@ so a tuned job computes what an untuned one computes.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterable
 from typing import IO, NamedTuple
+
+from baguahvd.common.search import CoordinateSearch, Point
 
 logger = logging.getLogger("baguahvd.engine")
 
@@ -58,13 +59,10 @@ class Settings(NamedTuple):
 
 
 class GridSearch:
-    """Coordinate search over the fusion threshold and cycle time, in ask/tell form.
-
-    Pass 1 measures :data:`FUSION_GRID_MIB` at the initial cycle time (plus the initial
-    threshold); pass 2 measures :data:`CYCLE_GRID_MS` at the best threshold; every later pass
-    measures the best setting's neighbours, each parameter multiplied and divided by a
-    factor that starts at 2 and shrinks to its square root each pass. Settings are never
-    measured twice, and the search stops after ``budget`` measurements.
+    """The search over :class:`Settings`: a
+    :class:`~baguahvd.common.search.CoordinateSearch` whose first pass measures
+    :data:`FUSION_GRID_MIB` at the initial cycle time and whose second measures
+    :data:`CYCLE_GRID_MS` at the best threshold, before refining around the best.
 
     Args:
         start: the initial settings (measured first).
@@ -72,66 +70,39 @@ class GridSearch:
     """
 
     def __init__(self, start: Settings, budget: int) -> None:
-        if budget < 1:
-            raise ValueError(f"the autotune budget must be at least 1 sample, got {budget}.")
-        self.start = start
-        self.budget = budget
-        self.scores: dict[Settings, float] = {}
-        self._queue: list[Settings] = [start]
-        self._pass = 0
-        self._factor = 2.0
+        self._search = CoordinateSearch(
+            start,
+            ([mib * MIB for mib in FUSION_GRID_MIB], CYCLE_GRID_MS),
+            budget,
+            _normalize,
+        )
+
+    @property
+    def scores(self) -> dict[Settings, float]:
+        return {_as_settings(point): score for point, score in self._search.scores.items()}
 
     @property
     def best(self) -> Settings:
-        """The best-scoring settings measured so far (the initial ones before any)."""
-        if not self.scores:
-            return self.start
-        return max(self.scores, key=lambda s: self.scores[s])
+        return _as_settings(self._search.best)
 
     def ask(self) -> Settings | None:
-        """The next settings to measure, or None once the budget is spent."""
-        while len(self.scores) < self.budget:
-            while self._queue:
-                candidate = self._queue.pop(0)
-                if candidate not in self.scores:
-                    return candidate
-            if not self._next_pass():
-                return None
-        return None
+        point = self._search.ask()
+        return None if point is None else _as_settings(point)
 
     def tell(self, settings: Settings, score: float) -> None:
-        """Records the score of measured settings (higher is better)."""
-        self.scores[settings] = score
-
-    def _next_pass(self) -> bool:
-        best = self.best
-        self._pass += 1
-        if self._pass == 1:
-            self._queue = [
-                _settings(mib * MIB, self.start.cycle_time_ms) for mib in FUSION_GRID_MIB
-            ]
-        elif self._pass == 2:
-            self._queue = [_settings(best.fusion_threshold, ms) for ms in CYCLE_GRID_MS]
-        else:
-            if self._factor < 1.05:
-                return False
-            f = self._factor
-            self._queue = [
-                _settings(best.fusion_threshold * f, best.cycle_time_ms),
-                _settings(best.fusion_threshold / f, best.cycle_time_ms),
-                _settings(best.fusion_threshold, best.cycle_time_ms * f),
-                _settings(best.fusion_threshold, best.cycle_time_ms / f),
-            ]
-            self._factor = math.sqrt(f)
-        return True
+        self._search.tell(settings, score)
 
 
-def _settings(fusion_threshold: float, cycle_time_ms: float) -> Settings:
+def _as_settings(point: Point) -> Settings:
+    return Settings(int(point[0]), float(point[1]))
+
+
+def _normalize(point: Point) -> Point:
     """Settings clamped to sane bounds and rounded (threshold to KiB, cycle to 0.01 ms)."""
     low, high = FUSION_BOUNDS
-    threshold = int(round(min(max(fusion_threshold, low), high) / 1024)) * 1024
+    threshold = int(round(min(max(point[0], low), high) / 1024)) * 1024
     cycle_low, cycle_high = CYCLE_BOUNDS_MS
-    cycle = round(min(max(cycle_time_ms, cycle_low), cycle_high), 2)
+    cycle = round(min(max(point[1], cycle_low), cycle_high), 2)
     return Settings(threshold, cycle)
 
 
