@@ -197,6 +197,12 @@ class Engine:
         return self._lifecycle.abnormal
 
     @property
+    def autotuning(self) -> bool:
+        """Whether this rank's autotune (rank 0's) still searches the fusion threshold and
+        cycle time."""
+        return self._tuner is not None and not self._tuner.frozen
+
+    @property
     def state(self) -> State:
         """The lifecycle state (:class:`~baguahvd.engine.lifecycle.State`)."""
         return self._lifecycle.state

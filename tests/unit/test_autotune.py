@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from baguahvd.common.search import CoordinateSearch
 from baguahvd.engine.autotune import MIB, Autotuner, GridSearch, Settings
 from baguahvd.engine.engine import GLOBAL_PROCESS_SET_ID, Engine
 from baguahvd.engine.messages import OpType
@@ -132,3 +133,15 @@ def test_without_autotune_the_settings_never_change() -> None:
     finally:
         job.close()
     assert changes == [[], []]
+
+
+def test_the_coordinate_search_measures_the_grid_then_the_best_points_neighbours() -> None:
+    search = CoordinateSearch((1.0,), [[2.0, 4.0]], 5)
+    asked = []
+    while (point := search.ask()) is not None:
+        asked.append(point)
+        search.tell(point, -abs(point[0] - 4.0))
+    # The grid after the start, then 4 * 2 and 4 / 2 (measured already, skipped), then
+    # 4 * sqrt(2).
+    assert asked == [(1.0,), (2.0,), (4.0,), (8.0,), (4.0 * 2**0.5,)]
+    assert search.best == (4.0,)
