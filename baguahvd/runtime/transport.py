@@ -8,11 +8,12 @@ place to meet, so each rank would train alone; that is an error. A process that 
 started runs MPI as a job of one, as Horovod does.
 
 Why ``auto`` keeps MPI under mpirun: measured on shared memory (two ranks on one host),
-``hvd.allreduce`` over MPI took 0.24-0.26 ms at 16 KB, 0.4-0.8 ms at 1 MB and 7-21 ms at
-16 MB against 3.3-3.9 ms, 3.1-5.3 ms and 23-24 ms over gloo; gloo was ahead only for a single
-64 MB tensor (109-125 ms against 140 ms), and 256 fused 16 KB tensors took 8.5-13 ms over MPI
-against 17-19 ms (README, "CPU transport"). Over TCP between hosts no measurement of the two
-under baguahvd exists yet, so the launcher's choice stands there too.
+``hvd.allreduce`` over MPI took 0.23-0.26 ms at 16 KB, 0.37-0.81 ms at 1 MB and 7-21 ms at
+16 MB against 3.3-5.0 ms, 3.1-5.3 ms and 23-24 ms over gloo; gloo was ahead only for a single
+64 MB tensor (109-125 ms against 129-141 ms), and 256 fused 16 KB tensors took 7-13 ms over
+MPI against 17-19 ms (``benchmarks/cpu_backend.py``; README, "CPU transport"). Over TCP
+between hosts no measurement of the two under baguahvd exists yet, so the launcher's
+choice stands there too.
 
 A job must never train alone by mistake: when the launcher's variables say there are
 several ranks but the chosen transport found a job of one, :func:`check_joined` raises.
