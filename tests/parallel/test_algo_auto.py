@@ -78,9 +78,14 @@ def test_after_the_switch_results_are_the_chosen_algorithms() -> None:
     probing.close()
     chosen = make_algorithm_optimizer(
         torch.optim.SGD(reference.parameters(), lr=0.1), reference.named_parameters(),
-        ByteGradAlgorithm(),
+        ByteGradAlgorithm(hierarchical=False),
     )
     _steps(reference, chosen, 3, first=2)
     chosen.close()
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.equal(a, b)
+
+
+def test_weight_averaging_candidates_when_allowed_keep_one_choice(size: int) -> None:
+    name = _chosen(AutoAlgorithm(allow_weight_averaging=True, probe_steps=1), steps=3)
+    assert hvd.allgather_object(name) == [name] * size

@@ -14,6 +14,7 @@ Steps:
    between two optimizer steps on every rank, because the broadcast is a collective that
    every rank issues after the same step.
 
+The chosen algorithm runs flat (``hierarchical=False``), the form the prediction describes.
 Candidates keep synchronous semantics: gradient_allreduce, bytegrad (floating-point
 gradients only), and qadam when the optimizer is Adam. Decentralized and low-precision
 decentralized, which average weights rather than gradients, are candidates only with
@@ -189,12 +190,16 @@ class AutoAlgorithm(Algorithm):
         return AutoImpl(self, context)
 
 
+# Flat variants: the cost model counts every rank in the compressed exchange, which is what
+# hierarchical=False does (hierarchical bytegrad on one host compresses nothing).
 _FACTORIES: dict[str, Callable[[], Algorithm]] = {
     GradientAllReduceAlgorithm.name: GradientAllReduceAlgorithm,
-    ByteGradAlgorithm.name: ByteGradAlgorithm,
-    QAdamAlgorithm.name: QAdamAlgorithm,
-    DecentralizedAlgorithm.name: DecentralizedAlgorithm,
-    LowPrecisionDecentralizedAlgorithm.name: LowPrecisionDecentralizedAlgorithm,
+    ByteGradAlgorithm.name: lambda: ByteGradAlgorithm(hierarchical=False),
+    QAdamAlgorithm.name: lambda: QAdamAlgorithm(hierarchical=False),
+    DecentralizedAlgorithm.name: lambda: DecentralizedAlgorithm(hierarchical=False),
+    LowPrecisionDecentralizedAlgorithm.name: lambda: LowPrecisionDecentralizedAlgorithm(
+        hierarchical=False
+    ),
 }
 
 
