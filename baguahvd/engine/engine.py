@@ -467,7 +467,7 @@ class Engine:
         self._executing = []
         for response, own in entries[len(entries) - negotiated :]:
             negotiation.remember(response, own)
-        if self._tuner is not None:
+        if self._tuner is not None and not self._tuner.frozen:
             proposal = self._tuner.record(_reduced(entries))
             if proposal is not None:
                 negotiation.propose(proposal)
