@@ -178,6 +178,23 @@ class Config:
     """Record the call site of every unnamed collective and fail those that ranks pair from
     different sites (BAGUAHVD_CHECK_CALL_SITES). Off by default: a script may legitimately
     reach one collective from different lines on different ranks."""
+    autotune: bool = False
+    """Tune the fusion threshold and cycle time online during the first steps, then keep the
+    best (HOROVOD_AUTOTUNE; see :mod:`~baguahvd.engine.autotune`)."""
+    autotune_log: str | None = None
+    """CSV file where rank 0 logs each autotune sample's settings and score
+    (HOROVOD_AUTOTUNE_LOG)."""
+    autotune_warmup_samples: int = 3
+    """Samples measured at the initial settings and discarded (HOROVOD_AUTOTUNE_WARMUP_SAMPLES)."""
+    autotune_steps_per_sample: int = 10
+    """Steps measured per sample; a step ends each time the first collective name to recur
+    is seen again (HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE)."""
+    autotune_max_samples: int = 20
+    """Candidate settings measured before the best freezes
+    (HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES)."""
+    autotune_gaussian_process_noise: float = 0.8
+    """Accepted for Horovod compatibility (HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE, 0..1); the
+    search is a deterministic grid with local refinement, which has no noise model."""
     cpu_backend: str = "auto"
     """Transport of CPU tensors and negotiation: ``mpi``, ``gloo`` or ``auto``
     (BAGUAHVD_CPU_BACKEND; else Horovod's HOROVOD_CPU_OPERATIONS or HOROVOD_CONTROLLER,
@@ -264,9 +281,34 @@ class Config:
                 _as_number(env, "BUCKET_SIZE", cls.bucket_bytes, int, minimum=1)
             ),
             check_call_sites=_as_bool(env, "CHECK_CALL_SITES", horovod_alias=False),
+            autotune=_as_bool(env, "AUTOTUNE"),
+            autotune_log=_lookup(env, "AUTOTUNE_LOG") or None,
+            autotune_warmup_samples=int(
+                _as_number(env, "AUTOTUNE_WARMUP_SAMPLES", cls.autotune_warmup_samples, int)
+            ),
+            autotune_steps_per_sample=int(
+                _as_number(
+                    env, "AUTOTUNE_STEPS_PER_SAMPLE", cls.autotune_steps_per_sample, int,
+                    minimum=1,
+                )
+            ),
+            autotune_max_samples=int(
+                _as_number(
+                    env, "AUTOTUNE_BAYES_OPT_MAX_SAMPLES", cls.autotune_max_samples, int,
+                    minimum=1,
+                )
+            ),
+            autotune_gaussian_process_noise=_as_number(
+                env, "AUTOTUNE_GAUSSIAN_PROCESS_NOISE", cls.autotune_gaussian_process_noise
+            ),
             cpu_backend=_cpu_backend(env),
             gloo_timeout_s=_as_number(env, "GLOO_TIMEOUT_SECONDS", cls.gloo_timeout_s),
         )
+        if config.autotune_gaussian_process_noise > 1.0:
+            raise ValueError(
+                "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE="
+                f"{config.autotune_gaussian_process_noise:g} must be in [0, 1]."
+            )
         if (
             not config.stall_check_disable
             and 0 < config.stall_shutdown_time_s < config.stall_check_time_s

@@ -30,7 +30,9 @@ This module keeps the loop; the parts live beside it: :mod:`~baguahvd.engine.int
 :mod:`~baguahvd.engine.coordinator` (steps 1 and 2, with the response cache),
 :mod:`~baguahvd.engine.fusion` (the fusion plan), :mod:`~baguahvd.engine.dispatch` (step 3's
 execution), :mod:`~baguahvd.engine.process_sets` (the registry) and
-:mod:`~baguahvd.engine.lifecycle` (the states between start and exit, and every way out).
+:mod:`~baguahvd.engine.lifecycle` (the states between start and exit, and every way out)
+and :mod:`~baguahvd.engine.autotune` (HOROVOD_AUTOTUNE: changes to the fusion threshold and
+cycle time, agreed in a cycle's decision and applied by every rank when that cycle ends).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from baguahvd.common.exceptions import (
     ShutDownError,
 )
 from baguahvd.common.ops import ReduceOp
+from baguahvd.engine.autotune import Autotuner, Settings
 from baguahvd.engine.dispatch import CollectiveFailure, Dispatcher, Entry
 from baguahvd.engine.fusion import plan_fusion
 from baguahvd.engine.intake import RequestQueue
@@ -129,6 +132,22 @@ class Engine:
         )
         self._executing: list[Request] = []
         self.cycles = 0
+        self.settings = Settings(config.fusion_threshold, config.cycle_time_ms)
+        """The fusion threshold and cycle time in use (autotune changes them)."""
+        self.settings_changes: list[tuple[int, Settings]] = []
+        """Autotune: (cycle, settings) of every change, the cycle being the last one run
+        under the previous settings; the same on every rank."""
+        self._tuner = (
+            Autotuner(
+                self.settings, config.autotune_warmup_samples,
+                config.autotune_steps_per_sample, config.autotune_max_samples,
+                config.autotune_log,
+                (config.hierarchical_allreduce, config.hierarchical_allgather,
+                 config.cache_capacity > 0),
+            )
+            if config.autotune and self.rank == 0 and self.size > 1
+            else None
+        )
         # Per submitting thread: the timeline activity of the requests it submits now.
         self._activity = threading.local()
 
@@ -177,6 +196,12 @@ class Engine:
     def abnormal(self) -> bool:
         """Whether the engine stopped because something failed (see :meth:`leave_job`)."""
         return self._lifecycle.abnormal
+
+    @property
+    def autotuning(self) -> bool:
+        """Whether this rank's autotune (rank 0's) still searches the fusion threshold and
+        cycle time."""
+        return self._tuner is not None and not self._tuner.frozen
 
     @property
     def state(self) -> State:
@@ -235,6 +260,8 @@ class Engine:
         lifecycle.stop(ShutDownError())
         if self.timeline is not None:
             self.timeline.close()
+        if self._tuner is not None:
+            self._tuner.close()
 
     def release(self) -> None:
         """Frees every process set's communicators and the control plane after a normal
@@ -379,14 +406,14 @@ class Engine:
                 logger.warning("could not pin the engine thread: %s", exc)
         lifecycle = self._lifecycle
         queue = self._queue
-        cycle_s = self.config.cycle_time_ms / 1000.0
         try:
             while lifecycle.error is None:
+                cycle_ms = self.settings.cycle_time_ms
                 # While requests are in flight, the next cycle starts at once: peers are
                 # waiting for this rank to announce what it has.
-                queue.wake.wait(0.0 if self._negotiation.in_flight() else cycle_s)
+                queue.wake.wait(0.0 if self._negotiation.in_flight() else cycle_ms / 1000.0)
                 queue.wake.clear()
-                queue.let_burst_finish(self.config.cycle_time_ms)
+                queue.let_burst_finish(cycle_ms)
                 if not self._cycle():
                     break
         except _Abandoned:
@@ -443,7 +470,19 @@ class Engine:
         self._executing = []
         for response, own in entries[len(entries) - negotiated :]:
             negotiation.remember(response, own)
+        if self._tuner is not None and not self._tuner.frozen:
+            proposal = self._tuner.record(_reduced(entries))
+            if proposal is not None:
+                negotiation.propose(proposal)
         lifecycle.end_cycle()
+        agreed_settings = negotiation.take_agreed_settings()
+        if agreed_settings is not None:
+            # Every rank got these in this cycle's decision: all switch between this cycle
+            # and the next.
+            self.settings = agreed_settings
+            self.settings_changes.append((self.cycles, agreed_settings))
+            if self._tuner is not None:
+                self._tuner.applied(agreed_settings)
         return True
 
     def _admit(self, request: Request) -> None:
@@ -451,7 +490,7 @@ class Engine:
 
     def _fuse(self, entries: list[Entry]) -> list[list[Entry]]:
         return plan_fusion(
-            entries, self.config.fusion_threshold, self.config.disable_group_fusion
+            entries, self.settings.fusion_threshold, self.config.disable_group_fusion
         )
 
     def _check_stalls(self, now: float) -> None:
@@ -516,6 +555,16 @@ class Engine:
         for request in pending:
             if not request.handle.done():
                 request.handle.fail(error)
+
+
+def _reduced(entries: list[Entry]) -> list[tuple[str, int]]:
+    """The name and bytes of this rank's allreduces among a cycle's entries (autotune's
+    measure)."""
+    return [
+        (response.name, sum(t.numel() * t.element_size() for t in own.inputs))
+        for response, own in entries
+        if own is not None and response.op == OpType.ALLREDUCE and response.error is None
+    ]
 
 
 def _tighten_timer_slack() -> None:

@@ -13,6 +13,11 @@ Each cycle every rank runs the same exchange on the control plane:
    :class:`~baguahvd.engine.coordinator.Coordinator` answers every rank with one
    :class:`~baguahvd.engine.notices.Decision`.
 
+Rank 0 also uses the second step to hand every rank new autotune settings
+(:mod:`~baguahvd.engine.autotune`): while it holds a proposal it announces something to
+send, so the exchange happens, and the decision carries the settings to every rank in the
+same cycle.
+
 The cycle's agreed work is the cached hits (in slot order) followed by rank 0's responses.
 Every rank then caches the same responses in the same order (:meth:`Negotiator.remember`),
 which keeps the caches identical. While a rank has joined, nothing is answered from the
@@ -27,6 +32,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from baguahvd.backends.base import ControlPlane
+from baguahvd.engine.autotune import Settings
 from baguahvd.engine.cache import Lookup, ResponseCache, may_cache, response_cacheable
 from baguahvd.engine.coordinator import Coordinator
 from baguahvd.engine.messages import Response
@@ -84,10 +90,14 @@ class Negotiator:
         """Requests sent to rank 0 and not answered yet."""
         self.join_mode = False
         self.coordinator = Coordinator(inspector, timeline) if rank == 0 else None
+        self.proposal: Settings | None = None
+        """(Rank 0) Autotune settings to send every rank in the next decision."""
+        self.agreed_settings: Settings | None = None
+        """Autotune settings received in this cycle's decision, not yet applied."""
 
     def in_flight(self) -> bool:
         """Whether some request waits for the other ranks (the next cycle starts at once)."""
-        return bool(self.sent or self.waiting_on_cache or self.to_send)
+        return bool(self.sent or self.waiting_on_cache or self.to_send or self.proposal)
 
     # -- admitting new requests -----------------------------------------------------------
 
@@ -144,7 +154,7 @@ class Negotiator:
             valid[list(self.stale_slots)] = False
             self.stale_slots.clear()
         flags = 0xFF
-        if self.to_send or notice is not None:
+        if self.to_send or notice is not None or self.proposal is not None:
             flags &= ~FLAG_NOTHING_TO_SEND
         if notice is not None:
             flags &= ~FLAG_NO_SHUTDOWN
@@ -209,8 +219,22 @@ class Negotiator:
         if self.coordinator is not None:
             assert gathered is not None
             decision = self.coordinator.decide(gathered, self.process_sets, self.size)
+            if self.proposal is not None and decision.notice is None:
+                decision = decision._replace(settings=self.proposal)
+                self.proposal = None
         result: Decision = self.control.broadcast(decision)
+        if result.settings is not None:
+            self.agreed_settings = result.settings
         return result
+
+    def propose(self, settings: Settings) -> None:
+        """(Rank 0) Hands ``settings`` to every rank in the next cycle's decision."""
+        self.proposal = settings
+
+    def take_agreed_settings(self) -> Settings | None:
+        """Settings this cycle's decision carried (once), to apply when the cycle ends."""
+        agreed, self.agreed_settings = self.agreed_settings, None
+        return agreed
 
     def announce_end(self, notice: Notice) -> None:
         """Runs the announcing half of a cycle with nothing but ``notice`` in it."""

@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import NamedTuple
 
 from baguahvd.common.exceptions import PeerFailureError, ShutDownError, StallError
+from baguahvd.engine.autotune import Settings
 from baguahvd.engine.messages import RequestMeta, Response
 
 # Reasons travel in every rank's report; a traceback's worth is plenty.
@@ -86,6 +87,8 @@ class Decision(NamedTuple):
     responses: list[Response]
     joined: tuple[int, ...]
     notice: Notice | None = None
+    settings: Settings | None = None
+    """Autotune: settings every rank switches to when this cycle ends."""
 
 
 def describe_exception(

@@ -259,10 +259,6 @@ def launch_notes(
         notes.append("--disable-cache has no effect: baguahvdrun caches no host checks")
     if args.use_jsrun:
         notes.append("--jsrun is not supported; launching with Open MPI's mpirun instead")
-    if args.autotune:
-        notes.append(
-            "--autotune: HOROVOD_AUTOTUNE is exported, but baguahvd does not autotune yet"
-        )
     if args.gloo_timeout_seconds is not None and not args.use_gloo:
         notes.append(
             "--gloo-timeout-seconds: HOROVOD_GLOO_TIMEOUT_SECONDS is exported, but the ranks "

@@ -3,8 +3,17 @@
 The launcher decides (:class:`~baguahvd.common.config.Launch`): under mpirun (or srun
 --mpi=pmix, MPICH) MPI; started by torchrun, ``baguahvdrun --gloo`` or ``horovodrun
 --gloo``, gloo. BAGUAHVD_CPU_BACKEND (or Horovod's HOROVOD_CPU_OPERATIONS /
-HOROVOD_CONTROLLER) forces one. A process that no launcher started runs MPI as a job of
-one, as Horovod does.
+HOROVOD_CONTROLLER) forces one, except gloo under an MPI launcher: mpirun gives gloo no
+place to meet, so each rank would train alone; that is an error. A process that no launcher
+started runs MPI as a job of one, as Horovod does.
+
+Why ``auto`` keeps MPI under mpirun: measured on shared memory (two ranks on one host),
+``hvd.allreduce`` over MPI took 0.23-0.26 ms at 16 KB, 0.37-0.81 ms at 1 MB and 7-21 ms at
+16 MB against 3.3-5.0 ms, 3.1-5.3 ms and 23-24 ms over gloo; gloo was ahead only for a single
+64 MB tensor (109-125 ms against 129-141 ms), and 256 fused 16 KB tensors took 7-13 ms over
+MPI against 17-19 ms (``benchmarks/cpu_backend.py``; README, "CPU transport"). Over TCP
+between hosts no measurement of the two under baguahvd exists yet, so the launcher's
+choice stands there too.
 
 A job must never train alone by mistake: when the launcher's variables say there are
 several ranks but the chosen transport found a job of one, :func:`check_joined` raises.
@@ -35,6 +44,14 @@ def choose(cpu_backend: str, launch: Launch, comm: Any) -> Transport:
     if cpu_backend == "mpi":
         return Transport.MPI
     if cpu_backend == "gloo":
+        if launch.launcher == "mpi" and comm is None:
+            raise ValueError(
+                "BAGUAHVD_CPU_BACKEND (or HOROVOD_CPU_OPERATIONS/HOROVOD_CONTROLLER) asks for "
+                f"gloo, but an MPI launcher started this process ({', '.join(launch.variables)}"
+                "), which gives gloo no place for the ranks to meet: each would train alone. "
+                "Leave the variable unset (or set it to mpi) under mpirun, or launch with "
+                "baguahvdrun --gloo, horovodrun --gloo or torchrun."
+            )
         return Transport.GLOO
     if comm is None and launch.launcher in ("torchrun", "horovodrun-gloo"):
         return Transport.GLOO

@@ -777,7 +777,7 @@ def test_notes_for_options_without_effect(
     argv = ["-np", "2", "--disable-cache", "--jsrun", "--autotune", "--gloo-timeout-seconds", "9"]
     assert cli.main([*argv, "python"]) == 0
     notes = capsys.readouterr().err.splitlines()
-    assert len(notes) == 4 and all(line.startswith("baguahvdrun: note: ") for line in notes)
+    assert len(notes) == 3 and all(line.startswith("baguahvdrun: note: ") for line in notes)
     assert "--disable-cache" in notes[0] and "--jsrun" in notes[1]
     monkeypatch.setattr(cli, "probe_mpirun", lambda mpirun: 4)
     assert cli.main(["-np", "2", "--start-timeout", "9", "python"]) == 0

@@ -60,6 +60,12 @@ def test_alone_and_forced_choices() -> None:
     assert choose("auto", launch_from_env(TORCHRUN), [0, 1]) is Transport.MPI
 
 
+def test_gloo_forced_under_mpirun_is_refused_not_run_alone() -> None:
+    launch = launch_from_env({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"})
+    with pytest.raises(ValueError, match=r"asks for gloo.*OMPI_COMM_WORLD_SIZE.*alone"):
+        choose("gloo", launch, None)
+
+
 def test_cpu_backend_setting() -> None:
     assert Config.from_env({}).cpu_backend == "auto"
     assert Config.from_env({"BAGUAHVD_CPU_BACKEND": "GLOO"}).cpu_backend == "gloo"

@@ -6,6 +6,7 @@ hyperparameters (``ByteGradAlgorithm(hierarchical=False)``); ``BAGUAHVD_ALGORITH
 """
 
 from baguahvd.torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
+from baguahvd.torch.algorithms.auto import AutoAlgorithm, LinkFigures
 from baguahvd.torch.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl
 from baguahvd.torch.algorithms.bytegrad import ByteGradAlgorithm
 from baguahvd.torch.algorithms.decentralized import DecentralizedAlgorithm
@@ -21,9 +22,11 @@ __all__ = [
     "AlgorithmContext",
     "AlgorithmImpl",
     "AsyncModelAverageAlgorithm",
+    "AutoAlgorithm",
     "ByteGradAlgorithm",
     "DecentralizedAlgorithm",
     "GradientAllReduceAlgorithm",
+    "LinkFigures",
     "LowPrecisionDecentralizedAlgorithm",
     "QAdamAlgorithm",
     "QAdamOptimizer",

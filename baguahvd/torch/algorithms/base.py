@@ -166,14 +166,19 @@ class GradientAlgorithmImpl(AlgorithmImpl):
 
     def __init__(self, algorithm: Algorithm, context: AlgorithmContext) -> None:
         super().__init__(algorithm, context)
-        alignment = context.size if self.alignment_by_size else 1
-        self.buckets: list[Bucket] = split_into_buckets(
-            context.parameters, context.bucket_bytes, alignment
-        )
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.buckets: list[Bucket] = []
+        self.rebucket(context.bucket_bytes)
         self._ready: set[int] = set()
         self._next = 0
         self._worker = Worker(algorithm)
+
+    def rebucket(self, bucket_bytes: int) -> None:
+        """(Re)builds the buckets at ``bucket_bytes``; only between steps, and on every rank
+        after the same step."""
+        alignment = self.context.size if self.alignment_by_size else 1
+        self.context.bucket_bytes = bucket_bytes
+        self.buckets = split_into_buckets(self.context.parameters, bucket_bytes, alignment)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
 
     def on_backward(self, p: torch.Tensor) -> None:
         self._ready.add(id(p))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from baguahvd.runtime.state import runtime
 from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -18,6 +19,7 @@ from baguahvd.torch.algorithms.base import (
     bucket_name,
     check_bool,
 )
+from baguahvd.torch.algorithms.bucket_tuning import BucketTuner
 from baguahvd.torch.algorithms.buckets import Bucket
 from baguahvd.torch.algorithms.hierarchy import optional_hierarchy
 from baguahvd.torch.algorithms.primitives import Compressor, centralized_reduce
@@ -53,6 +55,30 @@ class CentralizedReduceImpl(GradientAlgorithmImpl):
     def __init__(self, algorithm: Any, context: AlgorithmContext) -> None:
         super().__init__(algorithm, context)
         self.hierarchy = optional_hierarchy(context.process_set, algorithm.hierarchical)
+        config = runtime.config
+        self.bucket_tuner = (
+            BucketTuner(
+                context.bucket_bytes, context.process_set, config,
+                lambda: runtime.require_engine().autotuning,
+                f"bagua.{algorithm.name}:{context.parameters[0][0]}",
+            )
+            if config is not None and config.autotune and context.size > 1
+            and context.parameters
+            else None
+        )
+        """HOROVOD_AUTOTUNE: the bucket size's tuner (:mod:`.bucket_tuning`)."""
+
+    def post_step(self) -> None:
+        super().post_step()
+        if self.bucket_tuner is not None:
+            bucket_bytes = self.bucket_tuner.after_step(self.step_id)
+            if bucket_bytes is not None:
+                self.rebucket(bucket_bytes)
+
+    def close(self) -> None:
+        super().close()
+        if self.bucket_tuner is not None:
+            self.bucket_tuner.close()
 
     def compressor(self) -> Compressor | None:
         """What the bucket travels as between ranks: full precision by default."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from baguahvd.torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
+from baguahvd.torch.algorithms.auto import AutoAlgorithm
 from baguahvd.torch.algorithms.base import Algorithm
 from baguahvd.torch.algorithms.bytegrad import ByteGradAlgorithm
 from baguahvd.torch.algorithms.decentralized import DecentralizedAlgorithm
@@ -21,6 +22,7 @@ _REGISTRY: dict[str, Callable[[], Algorithm]] = {
     LowPrecisionDecentralizedAlgorithm.name: LowPrecisionDecentralizedAlgorithm,
     AsyncModelAverageAlgorithm.name: AsyncModelAverageAlgorithm,
     QAdamAlgorithm.name: QAdamAlgorithm,
+    AutoAlgorithm.name: AutoAlgorithm,
 }
 
 
