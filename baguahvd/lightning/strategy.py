@@ -138,9 +138,8 @@ class DistributedLightningOptimizer(LightningOptimizer):
     """Lightning's wrapper of a ``DistributedOptimizer`` (what ``self.optimizers()`` returns).
 
     ``LightningOptimizer`` turns its own class into a subclass of the optimizer's class, so
-    that ``isinstance`` checks hold. The classes ``DistributedOptimizer`` builds call
-    ``super(self.__class__, self)``, which recurses forever from an instance of a further
-    subclass, and their methods would write the protocol's state onto the wrapper. Every
+    that ``isinstance`` checks hold; the methods of the class ``DistributedOptimizer``
+    builds would then write the protocol's state onto the wrapper. Every
     method the distributed class defines and Lightning's wrapper does not (``zero_grad``,
     ``synchronize``, ``skip_synchronize``, ``load_state_dict``, ...) is therefore called on
     the optimizer itself; ``step`` stays Lightning's, which reaches the strategy.

@@ -42,7 +42,7 @@ class _DistributedAdasumOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         backward_passes_per_step: int,
         process_set: ProcessSet,
     ) -> None:
-        super(self.__class__, self).__init__(params)  # type: ignore[misc,call-arg]
+        self._wrapped_optimizer_class.__init__(self, params)  # type: ignore[misc,call-arg]
         self._compression = compression
         self._parameter_names: dict[torch.Tensor, str] = {p: name for name, p in named}
         self._init_protocol((p for _, p in named), backward_passes_per_step)
@@ -74,7 +74,7 @@ class _DistributedAdasumOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         try:
             with torch.no_grad():
                 start.copy_(p)
-                super(self.__class__, self).step()  # type: ignore[misc]
+                self._wrapped_optimizer_class.step(self)  # type: ignore[misc]
                 p.sub_(start)
         finally:
             for group, params in zip(self.param_groups, stashed):
@@ -117,7 +117,7 @@ class _DistributedAdasumOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         if self._handles:
             raise AssertionError(ZERO_GRAD_RACE)
         # Gradients stay allocated: the per-parameter step needs them.
-        super(self.__class__, self).zero_grad(set_to_none=False)  # type: ignore[misc]
+        self._wrapped_optimizer_class.zero_grad(self, set_to_none=False)  # type: ignore[misc]
 
 
 def make_adasum_optimizer(

@@ -49,7 +49,7 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         sparse_as_dense: bool,
         process_set: ProcessSet,
     ) -> None:
-        super(self.__class__, self).__init__(params)  # type: ignore[misc,call-arg]
+        self._wrapped_optimizer_class.__init__(self, params)  # type: ignore[misc,call-arg]
         self._compression = compression
         named = check_named_parameters(named_parameters, self.param_groups)
         self._parameter_names: dict[torch.Tensor, str] = {p: name for name, p in named}
@@ -204,7 +204,7 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:
         self._synchronize_for_step()
-        return super(self.__class__, self).step(closure)  # type: ignore[misc]
+        return self._wrapped_optimizer_class.step(self, closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Like Horovod, also refuse while gradients are half accumulated (fewer backward
@@ -212,14 +212,14 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         # countdowns from the gradients.
         if self._handles or self._group_ready or self._passes_started():
             raise AssertionError(ZERO_GRAD_RACE)
-        return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
+        return self._wrapped_optimizer_class.zero_grad(self, set_to_none)  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._handles.clear()
         self._group_ready.clear()
         self._synchronized = False
         self._reset_count()
-        super(self.__class__, self).load_state_dict(state_dict)  # type: ignore[misc]
+        self._wrapped_optimizer_class.load_state_dict(self, state_dict)  # type: ignore[misc]
 
 
 def _make_hook(owner: weakref.ref[Any]) -> Any:

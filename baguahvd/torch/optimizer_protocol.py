@@ -36,6 +36,8 @@ class SynchronizeProtocol:
     """
 
     backward_passes_per_step: int
+    _wrapped_optimizer_class: type[torch.optim.Optimizer]
+    """The user's optimizer class (see :func:`optimizer_subclass`)."""
     _allreduce_delay: dict[torch.Tensor, int]
     _synchronized: bool
     _should_synchronize: bool
@@ -93,8 +95,12 @@ class SynchronizeProtocol:
 
 def optimizer_subclass(optimizer: torch.optim.Optimizer, methods: type) -> type:
     """A subclass of ``type(optimizer)``, with the same name, holding the methods of
-    ``methods`` and of its bases up to ``torch.optim.Optimizer``."""
-    namespace: dict[str, Any] = {}
+    ``methods`` and of its bases up to ``torch.optim.Optimizer``.
+
+    The methods reach the wrapped optimizer's own through ``_wrapped_optimizer_class``
+    rather than ``super(self.__class__, self)``, which would recurse forever from an
+    instance of a further subclass (Lightning wraps optimizers that way)."""
+    namespace: dict[str, Any] = {"_wrapped_optimizer_class": optimizer.__class__}
     for klass in reversed(methods.__mro__):
         if klass in torch.optim.Optimizer.__mro__:
             continue

@@ -675,3 +675,27 @@ def test_replacing_the_optimizer(rank: int, size: int) -> None:
         gc.collect()
         assert alive() is None, "the parameters' hooks keep the old optimizer alive"
     assert_same_parameters(model, ref)
+
+
+@pytest.mark.parametrize("algorithm", [None, "gradient_allreduce"])
+def test_a_further_subclass_of_the_built_class_still_steps(
+    rank: int, size: int, algorithm: str | None
+) -> None:
+    """Wrappers (Lightning's) subclass the class DistributedOptimizer builds; its methods
+    must reach the user's optimizer without recursing into themselves."""
+    model = mlp()
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=model.named_parameters(),
+                                         algorithm=algorithm)
+
+    class Wrapped(optimizer.__class__):  # type: ignore[name-defined,misc]
+        pass
+
+    optimizer.__class__ = Wrapped
+    for step in range(2):
+        optimizer.zero_grad()
+        mse(model, rank, step).backward()
+        optimizer.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for row in hvd.allgather(flat.unsqueeze(0), name=f"further_subclass.{algorithm}"):
+        assert torch.equal(row, flat)

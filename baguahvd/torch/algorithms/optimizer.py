@@ -11,6 +11,7 @@ communication (``synchronize``), run or replace the optimizer step (``step``) an
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         process_set: ProcessSet,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        super(self.__class__, self).__init__(params)  # type: ignore[misc,call-arg]
+        self._wrapped_optimizer_class.__init__(self, params)  # type: ignore[misc,call-arg]
         self._parameter_names: dict[torch.Tensor, str] = {p: name for name, p in named}
         self.process_set = process_set
         self.algorithm = algorithm
@@ -88,7 +89,7 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:
         self._synchronize_for_step()
-        base_step = super(self.__class__, self).step  # type: ignore[misc]
+        base_step = functools.partial(self._wrapped_optimizer_class.step, self)  # type: ignore[misc]
         if self._impl is None:
             return base_step(closure)
         with self._communicating():
@@ -99,7 +100,7 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._passes_started() and not self._synchronized:
             raise AssertionError(ZERO_GRAD_RACE)
-        return super(self.__class__, self).zero_grad(set_to_none)  # type: ignore[misc]
+        return self._wrapped_optimizer_class.zero_grad(self, set_to_none)  # type: ignore[misc]
 
     def close(self) -> None:
         """Stops the algorithm's background work (also done at hvd.shutdown())."""
