@@ -39,19 +39,25 @@ def _as_bool(
     try:
         return int(float(text)) > 0
     except ValueError:
-        label = f"HOROVOD_{name}/BAGUAHVD_{name}" if horovod_alias else f"BAGUAHVD_{name}"
-        raise ValueError(f"{label}={value!r} is not a boolean; use 0 or 1.") from None
+        raise ValueError(
+            f"{_label(name, horovod_alias)}={value!r} is not a boolean; use 0 or 1."
+        ) from None
+
+
+def _label(name: str, horovod_alias: bool) -> str:
+    """How an error names a setting's variables."""
+    return f"HOROVOD_{name}/BAGUAHVD_{name}" if horovod_alias else f"BAGUAHVD_{name}"
 
 
 def _as_number(
     env: Mapping[str, str],
     name: str,
     default: float,
-    kind: type = float,
     horovod_alias: bool = True,
     minimum: float = 0,
+    whole: bool = False,
 ) -> float:
-    """Reads a finite number of at least ``minimum``; ``kind=int`` also rejects fractions.
+    """Reads a finite number of at least ``minimum``; ``whole`` also rejects fractions.
 
     Every setting counts or times something, so inf, nan, negative values and fractions of
     a count mean nothing: they raise ``ValueError`` naming the variable instead of being
@@ -60,19 +66,30 @@ def _as_number(
     value = _lookup(env, name, horovod_alias)
     if value is None:
         return default
-    label = f"HOROVOD_{name}/BAGUAHVD_{name}" if horovod_alias else f"BAGUAHVD_{name}"
+    label = _label(name, horovod_alias)
     try:
         number = float(value)
     except ValueError:
         raise ValueError(f"{label}={value!r} is not a number.") from None
     if not math.isfinite(number):
         raise ValueError(f"{label}={value!r} must be a finite number.")
-    if kind is int and not number.is_integer():
+    if whole and not number.is_integer():
         raise ValueError(f"{label}={value!r} must be a whole number.")
     if number < minimum:
         bound = "negative" if minimum == 0 else f"less than {minimum:g}"
         raise ValueError(f"{label}={value!r} must not be {bound}.")
-    return int(number) if kind is int else number
+    return number
+
+
+def _as_count(
+    env: Mapping[str, str],
+    name: str,
+    default: int,
+    horovod_alias: bool = True,
+    minimum: int = 0,
+) -> int:
+    """Reads a whole number of at least ``minimum`` (see :func:`_as_number`)."""
+    return int(_as_number(env, name, default, horovod_alias, minimum, whole=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,17 +248,13 @@ class Config:
                 f"{', '.join(_ELASTIC_FINISHED)}."
             )
         config = cls(
-            fusion_threshold=int(_as_number(env, "FUSION_THRESHOLD", cls.fusion_threshold, int)),
+            fusion_threshold=_as_count(env, "FUSION_THRESHOLD", cls.fusion_threshold),
             cycle_time_ms=_as_number(env, "CYCLE_TIME", cls.cycle_time_ms),
-            cache_capacity=int(_as_number(env, "CACHE_CAPACITY", cls.cache_capacity, int)),
+            cache_capacity=_as_count(env, "CACHE_CAPACITY", cls.cache_capacity),
             timeline=timeline,
             timeline_mark_cycles=_as_bool(env, "TIMELINE_MARK_CYCLES"),
-            timeline_start_step=int(
-                _as_number(env, "TIMELINE_START_STEP", 0, int, horovod_alias=False)
-            ),
-            timeline_end_step=int(
-                _as_number(env, "TIMELINE_END_STEP", 0, int, horovod_alias=False)
-            ),
+            timeline_start_step=_as_count(env, "TIMELINE_START_STEP", 0, horovod_alias=False),
+            timeline_end_step=_as_count(env, "TIMELINE_END_STEP", 0, horovod_alias=False),
             hierarchical_allreduce=_as_bool(env, "HIERARCHICAL_ALLREDUCE"),
             hierarchical_allgather=_as_bool(env, "HIERARCHICAL_ALLGATHER"),
             stall_check_disable=_as_bool(env, "STALL_CHECK_DISABLE"),
@@ -262,41 +275,31 @@ class Config:
             dynamic_process_sets=_as_bool(env, "DYNAMIC_PROCESS_SETS"),
             elastic=_as_bool(env, "ELASTIC"),
             elastic_dir=_lookup(env, "ELASTIC_DIR", horovod_alias=False),
-            elastic_restart=int(
-                _as_number(env, "ELASTIC_RESTART", 0, int, horovod_alias=False)
-            ),
+            elastic_restart=_as_count(env, "ELASTIC_RESTART", 0, horovod_alias=False),
             elastic_finished=finished.lower(),
-            elastic_hosts_version=int(
-                _as_number(env, "ELASTIC_HOSTS_VERSION", 0, int, horovod_alias=False)
+            elastic_hosts_version=_as_count(
+                env, "ELASTIC_HOSTS_VERSION", 0, horovod_alias=False
             ),
             mpi_threads_disable=_as_bool(env, "MPI_THREADS_DISABLE"),
             disable_group_fusion=_as_bool(env, "DISABLE_GROUP_FUSION"),
-            num_nccl_streams=int(_as_number(env, "NUM_NCCL_STREAMS", 1, int, minimum=1)),
+            num_nccl_streams=_as_count(env, "NUM_NCCL_STREAMS", 1, minimum=1),
             nccl_timeout_s=_as_number(
                 env, "NCCL_TIMEOUT_SECONDS", cls.nccl_timeout_s, horovod_alias=False, minimum=1
             ),
             thread_affinity=affinity,
             algorithm=_lookup(env, "ALGORITHM", horovod_alias=False),
-            bucket_bytes=int(
-                _as_number(env, "BUCKET_SIZE", cls.bucket_bytes, int, minimum=1)
-            ),
+            bucket_bytes=_as_count(env, "BUCKET_SIZE", cls.bucket_bytes, minimum=1),
             check_call_sites=_as_bool(env, "CHECK_CALL_SITES", horovod_alias=False),
             autotune=_as_bool(env, "AUTOTUNE"),
             autotune_log=_lookup(env, "AUTOTUNE_LOG") or None,
-            autotune_warmup_samples=int(
-                _as_number(env, "AUTOTUNE_WARMUP_SAMPLES", cls.autotune_warmup_samples, int)
+            autotune_warmup_samples=_as_count(
+                env, "AUTOTUNE_WARMUP_SAMPLES", cls.autotune_warmup_samples
             ),
-            autotune_steps_per_sample=int(
-                _as_number(
-                    env, "AUTOTUNE_STEPS_PER_SAMPLE", cls.autotune_steps_per_sample, int,
-                    minimum=1,
-                )
+            autotune_steps_per_sample=_as_count(
+                env, "AUTOTUNE_STEPS_PER_SAMPLE", cls.autotune_steps_per_sample, minimum=1
             ),
-            autotune_max_samples=int(
-                _as_number(
-                    env, "AUTOTUNE_BAYES_OPT_MAX_SAMPLES", cls.autotune_max_samples, int,
-                    minimum=1,
-                )
+            autotune_max_samples=_as_count(
+                env, "AUTOTUNE_BAYES_OPT_MAX_SAMPLES", cls.autotune_max_samples, minimum=1
             ),
             autotune_gaussian_process_noise=_as_number(
                 env, "AUTOTUNE_GAUSSIAN_PROCESS_NOISE", cls.autotune_gaussian_process_noise
