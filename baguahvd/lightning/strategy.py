@@ -91,12 +91,6 @@ def reduce_op_of(reduce_op: Optional[Union[ReduceOp, str]]) -> int:
     return op
 
 
-def _outside_inference_mode() -> torch.inference_mode:
-    """Lightning validates and tests under ``torch.inference_mode``; tensors made there cannot
-    be written by baguahvd's engine thread, so collectives make theirs outside it."""
-    return torch.inference_mode(False)
-
-
 def averages_weights(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` runs an algorithm that leaves the ranks' models apart."""
     return isinstance(getattr(optimizer, "algorithm", None), WEIGHT_AVERAGING)
@@ -321,7 +315,7 @@ class BaguaHvdStrategy(ParallelStrategy):
         self._pause_async()
         tensors = [t.detach() for t in (*module.parameters(), *module.buffers())]
         tensors = [t for t in tensors if t.is_floating_point()]
-        with torch.no_grad(), _outside_inference_mode():
+        with torch.no_grad():
             hvd.grouped_allreduce_(tensors, name=_AVERAGE_NAME, op=hvd.Average)
 
     def _pause_async(self) -> None:
@@ -378,10 +372,9 @@ class BaguaHvdStrategy(ParallelStrategy):
         if not isinstance(tensor, Tensor):
             return tensor
         op = reduce_op_of(reduce_op)
-        with _outside_inference_mode():
-            if op == hvd.Average and not tensor.is_floating_point():
-                tensor = tensor.float()
-            return hvd.allreduce(tensor.clone(), op=op)
+        if op == hvd.Average and not tensor.is_floating_point():
+            tensor = tensor.float()
+        return hvd.allreduce(tensor, op=op)
 
     def barrier(self, name: Optional[str] = None) -> None:
         hvd.barrier()
@@ -396,8 +389,7 @@ class BaguaHvdStrategy(ParallelStrategy):
         differentiable with ``sync_grads=True``."""
         if group is not None:
             raise ValueError("BaguaHvdStrategy gathers over all ranks; group must be None.")
-        with _outside_inference_mode():
-            gathered = hvd.allgather(tensor.clone().unsqueeze(0))
+        gathered = hvd.allgather(tensor.unsqueeze(0))
         return gathered if sync_grads else gathered.detach()
 
     # -- end -------------------------------------------------------------------------------------
