@@ -34,12 +34,32 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from baguahvd.backends.base import Communicator
-from baguahvd.common.exceptions import HorovodInternalError
+from baguahvd.backends.cuda_support import (
+    BFLOAT16_MIN_VERSION,
+    NCCLError,
+    NCCLTimeoutError,
+    NCCLUnavailableError,
+    StreamMark,
+    _external,
+    _offsets,
+    _ptr,
+    current_stream_ptr,
+    dtype_table,
+    import_cupy,
+    is_cuda,
+    mark_submission,
+    on_stream,
+    op_table,
+    record_stream,
+    set_torch_device,
+    tensor_device,
+    thread_cuda_device,
+)
 from baguahvd.common.ops import ReduceOp
 
 logger = logging.getLogger(__name__)
@@ -47,177 +67,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 600.0
 """How long a collective may take before the communicator is aborted (torch's NCCL default)."""
 
-BFLOAT16_MIN_VERSION = 21000
-"""NCCL 2.10 is the first to reduce bfloat16."""
-
-_INSTALL_HINT = (
-    "CUDA tensors need CuPy with NCCL: install baguahvd's GPU extra with "
-    '`pip install "baguahvd[cuda12]"` next to a CUDA build of torch, or move the tensors to '
-    "the CPU."
-)
-
-# NCCL's names of the types it reduces, by torch dtype; bfloat16 joins when NCCL allows it.
-_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.int8: "NCCL_INT8", torch.uint8: "NCCL_UINT8",
-    torch.int32: "NCCL_INT32", torch.int64: "NCCL_INT64",
-    torch.float16: "NCCL_FLOAT16", torch.float32: "NCCL_FLOAT32",
-    torch.float64: "NCCL_FLOAT64",
-}
-_BFLOAT16_NAME = "NCCL_BFLOAT16"
-
-_OP_NAMES: dict[ReduceOp, str] = {
-    ReduceOp.SUM: "NCCL_SUM", ReduceOp.PRODUCT: "NCCL_PROD",
-    ReduceOp.MIN: "NCCL_MIN", ReduceOp.MAX: "NCCL_MAX",
-}
-
 _FIRST_POLL_S = 2e-6
 _LONGEST_POLL_S = 1e-3
 
-
-class NCCLError(HorovodInternalError):
-    """An NCCL call failed, or the communicator had been aborted by an earlier failure.
-
-    Once a communicator is aborted every later collective of its process set raises this
-    error; the job has to be restarted (or, in elastic mode, reset).
-    """
-
-
-class NCCLTimeoutError(NCCLError):
-    """A collective did not finish within the communicator's timeout; the communicator was
-    aborted so that no rank stays blocked in it. Usually a peer died or skipped the call."""
-
-
-_NCCL_MISSING = (
-    "CuPy is installed but cannot use NCCL: libnccl.so.2 was not found (or this CuPy build "
-    "has no NCCL support). Install NCCL with `pip install nvidia-nccl-cu12` (part of "
-    "baguahvd[cuda12]) and make sure libnccl.so.2 is on the library path (LD_LIBRARY_PATH)"
-)
-
-
-class NCCLUnavailableError(HorovodInternalError):
-    """A CUDA tensor reached the collectives but CuPy with NCCL cannot be imported."""
-
-    def __init__(self, reason: str = "", message: str = _INSTALL_HINT) -> None:
-        super().__init__(f"{message}{f' ({reason})' if reason else ''}")
-
-
-def import_cupy() -> Any:
-    """Imports CuPy and its NCCL bindings, deferred to the first CUDA tensor because the
-    import is slow and needs a CUDA driver.
-
-    Raises:
-        NCCLUnavailableError: CuPy, or its NCCL bindings, cannot be imported.
-    """
-    try:
-        import cupy
-    except ImportError as exc:
-        raise NCCLUnavailableError(f"CuPy is not installed: {exc}") from exc
-    try:
-        import cupy.cuda.nccl
-    except ImportError as exc:
-        raise NCCLUnavailableError(str(exc), _NCCL_MISSING) from exc
-    if not getattr(cupy.cuda.nccl, "available", True):
-        raise NCCLUnavailableError(message=_NCCL_MISSING)
-    return cupy
-
-
-def dtype_table(nccl: Any) -> dict[torch.dtype, int]:
-    """NCCL's type codes, by the torch dtypes it can reduce."""
-    table = {dtype: int(getattr(nccl, name)) for dtype, name in _DTYPE_NAMES.items()}
-    if hasattr(nccl, _BFLOAT16_NAME) and int(nccl.get_version()) >= BFLOAT16_MIN_VERSION:
-        table[torch.bfloat16] = int(getattr(nccl, _BFLOAT16_NAME))
-    return table
-
-
-def op_table(nccl: Any) -> dict[ReduceOp, int]:
-    """NCCL's reduction codes, by :class:`ReduceOp` (AVERAGE and ADASUM are built on SUM by
-    the engine)."""
-    return {op: int(getattr(nccl, name)) for op, name in _OP_NAMES.items()}
-
-
-def is_cuda(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cuda"
-
-
-def tensor_device(tensor: torch.Tensor) -> torch.device:
-    """The CUDA device of ``tensor``, with its index filled in."""
-    if not is_cuda(tensor):
-        raise ValueError(f"the NCCL backend needs CUDA tensors, got one on {tensor.device}.")
-    index = tensor.device.index
-    return torch.device("cuda", torch.cuda.current_device() if index is None else index)
-
-
-def current_stream_ptr(device: torch.device) -> int:
-    """The handle of this thread's current torch stream on ``device``."""
-    return int(torch.cuda.current_stream(device).cuda_stream)
-
-
-@contextmanager
-def on_stream(device: torch.device, ptr: int) -> Iterator[None]:
-    """Makes the stream of handle ``ptr`` torch's current stream on ``device`` (this thread)."""
-    with torch.cuda.stream(torch.cuda.ExternalStream(ptr, device=device)):
-        yield
-
-
-def record_stream(tensor: torch.Tensor, device: torch.device, ptr: int) -> None:
-    """Tells torch's caching allocator that the stream of handle ``ptr`` uses ``tensor``."""
-    tensor.record_stream(torch.cuda.ExternalStream(ptr, device=device))
-
-
-def set_torch_device(device: torch.device) -> None:
-    """torch's current device for this thread."""
-    torch.cuda.set_device(device)
-
-
-def thread_cuda_device() -> torch.device | None:
-    """This thread's current CUDA device in torch, None without CUDA."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-
-
-class StreamMark(NamedTuple):
-    """Where a submitted collective stands in its submitter's stream: the device, the
-    submitting thread's current stream (which consumes the results) and an event recorded on
-    it when submitted (after the work producing the inputs)."""
-
-    device: torch.device
-    consumer: int
-    ready: Any
-
-
-def mark_submission(tensors: Sequence[torch.Tensor]) -> StreamMark | None:
-    """The :class:`StreamMark` of a submission of ``tensors``; None unless they are CUDA
-    tensors. Called on the submitting thread."""
-    if not tensors or not is_cuda(tensors[0]):
-        return None
-    device = tensor_device(tensors[0])
-    cupy = import_cupy()
-    # A context manager here: the user's thread keeps whatever CuPy device it had.
-    with cupy.cuda.Device(device.index):
-        consumer = current_stream_ptr(device)
-        ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(_external(cupy, consumer))
-    return StreamMark(device, consumer, ready)
-
-
-def _external(cupy: Any, ptr: int) -> Any:
-    stream = cupy.cuda.Stream
-    if hasattr(stream, "from_external"):
-        return stream.from_external(ptr)
-    return cupy.cuda.ExternalStream(ptr)
-
-
-def _ptr(tensor: torch.Tensor, offset: int = 0) -> int:
-    """The device address of element ``offset`` of a contiguous tensor."""
-    assert tensor.is_contiguous(), "the engine hands NCCL contiguous buffers only"
-    return int(tensor.data_ptr()) + offset * tensor.element_size()
-
-
-def _offsets(counts: Sequence[int]) -> list[int]:
-    offsets, total = [], 0
-    for count in counts:
-        offsets.append(total)
-        total += count
-    return offsets
+__all__ = [
+    "BFLOAT16_MIN_VERSION", "DEFAULT_TIMEOUT_S", "NCCLCommunicator", "NCCLError",
+    "NCCLTimeoutError", "NCCLUnavailableError", "StreamMark", "cross_communicator",
+    "current_stream_ptr", "dtype_table", "import_cupy", "is_cuda", "local_communicator",
+    "mark_submission", "on_stream", "op_table", "record_stream", "set_torch_device",
+    "tensor_device", "thread_cuda_device",
+]
 
 
 class NCCLCommunicator(Communicator):

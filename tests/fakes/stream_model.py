@@ -48,6 +48,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from baguahvd.backends import cuda_support
 from tests.fakes.fake_cupy import FakeCupy
 
 Clock = dict[int, int]
@@ -327,15 +328,21 @@ class StreamModel:
         def tensor_device(tensor: torch.Tensor) -> torch.device:
             return torch.device("cuda", model.device_of(tensor))
 
-        monkeypatch.setattr(backend, "current_stream_ptr", current_stream_ptr)
-        monkeypatch.setattr(backend, "on_stream", on_stream)
-        monkeypatch.setattr(backend, "set_torch_device", set_torch_device)
-        monkeypatch.setattr(backend, "record_stream", lambda tensor, device, ptr:
-                            model.record_stream(tensor, model.streams[ptr]))
-        monkeypatch.setattr(backend, "thread_cuda_device",
-                            lambda: torch.device("cuda", model.torch_device()))
-        monkeypatch.setattr(backend, "tensor_device", tensor_device)
-        monkeypatch.setattr(backend, "is_cuda", lambda tensor: model.device_of(tensor) != HOST)
+        replacements: dict[str, Any] = {
+            "current_stream_ptr": current_stream_ptr,
+            "on_stream": on_stream,
+            "set_torch_device": set_torch_device,
+            "record_stream": lambda tensor, device, ptr: model.record_stream(
+                tensor, model.streams[ptr]
+            ),
+            "thread_cuda_device": lambda: torch.device("cuda", model.torch_device()),
+            "tensor_device": tensor_device,
+            "is_cuda": lambda tensor: model.device_of(tensor) != HOST,
+        }
+        # The backend binds these helpers from cuda_support, which also calls them itself.
+        for module in (backend, cuda_support):
+            for name, replacement in replacements.items():
+                monkeypatch.setattr(module, name, replacement)
 
     def main_thread(self) -> None:
         """What a training script does first: ``torch.cuda.set_device(local_rank)``."""
