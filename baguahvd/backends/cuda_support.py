@@ -8,7 +8,6 @@ tensor arrives.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -17,8 +16,6 @@ import torch
 
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.common.ops import ReduceOp
-
-logger = logging.getLogger(__name__)
 
 BFLOAT16_MIN_VERSION = 21000
 """NCCL 2.10 is the first to reduce bfloat16."""
