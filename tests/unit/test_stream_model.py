@@ -174,7 +174,13 @@ class Rank:
         return request
 
     def run(self, model: StreamModel, entries: list[tuple[Response, Request | None]]) -> None:
-        on_thread(model, lambda: self.dispatcher.run_unit(entries))
+        """Launches the unit and completes it, as the engine thread does."""
+
+        def engine() -> None:
+            self.dispatcher.run_unit(entries)
+            self.dispatcher.pending.drain()
+
+        on_thread(model, engine)
 
 
 def response(op: OpType, shapes: tuple[tuple[int, ...], ...], **fields: object) -> Response:
