@@ -27,6 +27,7 @@ times: the sum, and it fails.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -37,7 +38,10 @@ import torch
 
 import baguahvd.torch as hvd
 from baguahvd.backends import nccl as backend
+from baguahvd.common.exceptions import HorovodInternalError
+from baguahvd.engine.completion import Completions
 from baguahvd.engine.engine import Engine
+from baguahvd.engine.messages import OpType
 from baguahvd.runtime import global_process_set, runtime
 from tests.fakes import fake_mpi
 from tests.fakes.stream_model import HOST, ModelStream, StreamModel
@@ -120,19 +124,19 @@ def model(monkeypatch: pytest.MonkeyPatch) -> StreamModel:
     return model
 
 
-@pytest.fixture
-def job(model: StreamModel, monkeypatch: pytest.MonkeyPatch) -> Iterator[Job]:
+def nccl_job(**config: Any) -> Job:
+    """Two engines whose device communicators are NCCL communicators on the model."""
     members = fake_mpi.members(2, wait_s=30.0)
-    comms: list[backend.NCCLCommunicator] = []
 
     def factory(rank: int) -> Callable[[Any], backend.NCCLCommunicator]:
-        def make(comm: Any) -> backend.NCCLCommunicator:
-            comms.append(backend.NCCLCommunicator(members[rank]))
-            return comms[-1]
+        return lambda comm: backend.NCCLCommunicator(members[rank])
 
-        return make
+    return start_job(2, device_comms=factory, **config)
 
-    job = start_job(2, device_comms=factory)
+
+@pytest.fixture
+def job(model: StreamModel, monkeypatch: pytest.MonkeyPatch) -> Iterator[Job]:
+    job = nccl_job()
     engine, peer = job.engines
     topology = types.SimpleNamespace(
         rank=0, size=2, local_rank=0, local_size=2, cross_rank=0, cross_size=1,
@@ -220,3 +224,76 @@ def test_a_distributed_optimizer_step_overlaps_backward_and_allreduces(
     assert step.backward == (2 * LAYERS - 1) * MATMUL
     assert step.communication == LAYERS * ALLREDUCE
     assert step.ratio <= BOUND, step
+
+
+# ---------------------------------------------------------------------------------------
+# The engine with launched units: the end of the job, failures
+
+
+def allreduce(model: StreamModel, engine: Engine, name: str) -> Any:
+    """An allreduce of a tensor written on this thread's own stream; returns its handle."""
+    with model.active(), model.use(model.stream(f"user{engine.rank}")):
+        tensor = torch.ones(4, device=CUDA).mul_(engine.rank + 1)
+        return engine.submit(OpType.ALLREDUCE, "allreduce", 0, [tensor], [tensor], name=name)
+
+
+def hold_events(model: StreamModel, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Completion events answer "not yet" until the returned flag is set."""
+    fire = threading.Event()
+    event_class = model.fake.cupy.cuda.Event
+    done = event_class.done
+    monkeypatch.setattr(event_class, "done", property(
+        lambda event: fire.is_set() and done.fget(event)
+    ))
+    return fire
+
+
+def launched(model: StreamModel, count: int) -> None:
+    """Waits until ``count`` NCCL allreduces were launched (every rank's)."""
+    deadline = time.monotonic() + 30
+    while len(model.fake.log.of("allReduce")) < count:
+        assert time.monotonic() < deadline, "the allreduces were not launched"
+        time.sleep(0.001)
+
+
+def test_units_still_running_at_a_normal_shutdown_complete_first(
+    model: StreamModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fire = hold_events(model, monkeypatch)
+    drain = Completions.drain
+
+    def drain_then(completions: Completions) -> None:
+        fire.set()  # the units finish while the engine waits for them
+        drain(completions)
+
+    monkeypatch.setattr(Completions, "drain", drain_then)
+    job = nccl_job()
+    handles = job.run(lambda rank, engine: allreduce(model, engine, "x"))
+    launched(model, 2)
+    assert not any(handle.done() for handle in handles)
+    job.close()
+    for handle in handles:
+        handle.wait()  # completed, not failed by the shutdown
+
+
+def test_a_launched_unit_past_the_timeout_fails_its_handles_on_every_rank(
+    model: StreamModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hold_events(model, monkeypatch)
+    job = nccl_job(nccl_timeout_s=0.2)
+    try:
+        handles = job.run(lambda rank, engine: allreduce(model, engine, "x"))
+        for handle in handles:
+            with pytest.raises(HorovodInternalError):
+                handle.wait()
+        errors = [handle.error for handle in handles]
+        assert any(isinstance(error, backend.NCCLTimeoutError) for error in errors)
+        for engine in job.engines:
+            assert engine._thread is not None
+            engine._thread.join(10)
+            assert not engine.running
+        comms = [engine.process_sets[0].device_comm for engine in job.engines]
+        assert all(isinstance(comm, backend.NCCLCommunicator) and comm._handle is None
+                   for comm in comms)  # aborted
+    finally:
+        job.world.close()
