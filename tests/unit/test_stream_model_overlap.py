@@ -8,8 +8,8 @@ the backward pass takes about as long as the longer of the two; one whose collec
 the user's stream (or whose engine waits for each collective before launching the next)
 takes their sum.
 
-The job is two engines over an in-memory control plane (``tests/fakes/world.py``), each with
-an NCCL communicator on the model. The training script runs on rank 0 through
+The job (``tests/fakes/gpu_job.py``) is two engines over an in-memory control plane, each
+with an NCCL communicator on the model. The training script runs on rank 0 through
 ``baguahvd.torch``; rank 1 submits, for every request of rank 0, the same collective on a
 copy of its tensors (a peer running the same script). The host keeps pace with the GPU:
 after each gradient's hook the script waits until the engine has launched that gradient's
@@ -29,8 +29,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -42,10 +41,9 @@ from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.engine.completion import Completions
 from baguahvd.engine.engine import Engine
 from baguahvd.engine.messages import OpType
-from baguahvd.runtime import global_process_set, runtime
-from tests.fakes import fake_mpi
-from tests.fakes.stream_model import HOST, ModelStream, StreamModel
-from tests.fakes.world import Job, start_job
+from tests.fakes import gpu_job
+from tests.fakes.stream_model import ModelStream, StreamModel
+from tests.fakes.world import Job
 
 pytestmark = pytest.mark.stream_model
 
@@ -108,64 +106,12 @@ class Step:
 
 @pytest.fixture
 def model(monkeypatch: pytest.MonkeyPatch) -> StreamModel:
-    model = StreamModel(device=GPU, seed=0)
-    model.install(monkeypatch, backend)
-    model.main_thread()
-    original = Engine._run
-
-    def run(engine: Engine) -> None:
-        with model.active():
-            original(engine)
-
-    # The engine threads queue their torch operations on the model as well.
-    monkeypatch.setattr(Engine, "_run", run)
-    # The engine tells GPU requests from CPU ones by Tensor.is_cuda.
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: model.device_of(t) != HOST))
-    return model
-
-
-def nccl_job(**config: Any) -> Job:
-    """Two engines whose device communicators are NCCL communicators on the model."""
-    members = fake_mpi.members(2, wait_s=30.0)
-
-    def factory(rank: int) -> Callable[[Any], backend.NCCLCommunicator]:
-        return lambda comm: backend.NCCLCommunicator(members[rank])
-
-    return start_job(2, device_comms=factory, **config)
+    return gpu_job.engine_model(monkeypatch, GPU)
 
 
 @pytest.fixture
 def job(model: StreamModel, monkeypatch: pytest.MonkeyPatch) -> Iterator[Job]:
-    job = nccl_job()
-    engine, peer = job.engines
-    topology = types.SimpleNamespace(
-        rank=0, size=2, local_rank=0, local_size=2, cross_rank=0, cross_size=1,
-        is_homogeneous=True,
-    )
-    monkeypatch.setattr(runtime, "engine", engine)
-    monkeypatch.setattr(runtime, "topology", topology)
-    monkeypatch.setattr(runtime, "config", engine.config)
-    monkeypatch.setattr(global_process_set, "process_set_id", 0)
-    monkeypatch.setattr(global_process_set, "ranks", [0, 1])
-    monkeypatch.setattr(global_process_set, "_registry", runtime)
-    peer_handles: list[Any] = []
-    submit = engine.submit
-
-    def mirrored(op: Any, label: str, ident: int, inputs: Any, outputs: Any,
-                 *args: Any, **kwargs: Any) -> Any:
-        copies = [t.clone() for t in inputs]
-        peer_handles.append(peer.submit(
-            op, label, ident, copies, None if outputs is None else copies, *args, **kwargs
-        ))
-        return submit(op, label, ident, inputs, outputs, *args, **kwargs)
-
-    monkeypatch.setattr(engine, "submit", mirrored)
-    try:
-        yield job
-    finally:
-        for handle in peer_handles:
-            handle.wait()
-        job.close()
+    yield from gpu_job.training_job(monkeypatch)
 
 
 def nccl_stream(model: StreamModel, job: Job) -> ModelStream:
@@ -267,7 +213,7 @@ def test_units_still_running_at_a_normal_shutdown_complete_first(
         drain(completions)
 
     monkeypatch.setattr(Completions, "drain", drain_then)
-    job = nccl_job()
+    job = gpu_job.nccl_job()
     handles = job.run(lambda rank, engine: allreduce(model, engine, "x"))
     launched(model, 2)
     assert not any(handle.done() for handle in handles)
@@ -280,7 +226,7 @@ def test_a_launched_unit_past_the_timeout_fails_its_handles_on_every_rank(
     model: StreamModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     hold_events(model, monkeypatch)
-    job = nccl_job(nccl_timeout_s=0.2)
+    job = gpu_job.nccl_job(nccl_timeout_s=0.2)
     try:
         handles = job.run(lambda rank, engine: allreduce(model, engine, "x"))
         for handle in handles:
