@@ -19,13 +19,15 @@ import torch
 from baguahvd.backends import nccl as backend
 from baguahvd.engine.engine import Engine
 from baguahvd.runtime import global_process_set, runtime
+from baguahvd.torch.algorithms.base import Worker
 from tests.fakes import fake_mpi
 from tests.fakes.stream_model import HOST, StreamModel
 from tests.fakes.world import Job, start_job
 
 
 def engine_model(monkeypatch: pytest.MonkeyPatch, device: int) -> StreamModel:
-    """A stream model installed for the NCCL backend, whose engine threads run on it too."""
+    """A stream model installed for the NCCL backend, whose engine and algorithm worker
+    threads run on it too."""
     model = StreamModel(device=device, seed=0)
     model.install(monkeypatch, backend)
     model.main_thread()
@@ -37,6 +39,14 @@ def engine_model(monkeypatch: pytest.MonkeyPatch, device: int) -> StreamModel:
 
     # The engine threads queue their torch operations on the model as well.
     monkeypatch.setattr(Engine, "_run", run)
+    run_jobs = Worker._run_jobs
+
+    def jobs(worker: Worker) -> None:
+        with model.active():
+            run_jobs(worker)
+
+    # So do the algorithms' worker threads.
+    monkeypatch.setattr(Worker, "_run_jobs", jobs)
     # The engine tells GPU requests from CPU ones by Tensor.is_cuda.
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: model.device_of(t) != HOST))
     return model

@@ -350,8 +350,14 @@ class StreamModel:
 
         @contextmanager
         def on_stream(device: torch.device, ptr: int) -> Iterator[None]:
-            with model.use(model.streams[ptr]):
-                yield
+            # torch.cuda.stream also makes the stream's device the current one meanwhile.
+            previous = model.torch_device()
+            model._local.torch_device = device.index
+            try:
+                with model.use(model.streams[ptr]):
+                    yield
+            finally:
+                model._local.torch_device = previous
 
         def set_torch_device(device: torch.device) -> None:
             model._local.torch_device = device.index
@@ -504,6 +510,11 @@ class _Mode(TorchDispatchMode):
             alias = argument.alias_info
             (written if alias is not None and alias.is_write else read).extend(tensors)
         name = func.__name__.split(".")[0]
+        # torch.tensor(data, device=...) lifts memory made outside the mode: not a read of
+        # device memory but a new buffer, copied from the host on this stream.
+        lifted = name == "lift_fresh"
+        if lifted:
+            read = []
         requested = kwargs.get("device")
         if isinstance(requested, torch.device) and requested.type == "cuda":
             kwargs = {**kwargs, "device": torch.device("cpu")}
@@ -532,7 +543,7 @@ class _Mode(TorchDispatchMode):
             outputs = result if isinstance(result, (list, tuple)) else [result]
             for tensor in outputs:
                 if isinstance(tensor, torch.Tensor):
-                    if tensor.untyped_storage().data_ptr() not in inputs:
+                    if lifted or tensor.untyped_storage().data_ptr() not in inputs:
                         model.allocate(tensor, stream, access, device)
             for tensor in written:
                 model.write(model.buffer(tensor), stream, access, what)
