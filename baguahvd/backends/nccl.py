@@ -12,12 +12,15 @@ submitting thread records an event on its current torch stream (a :class:`Stream
 collective's stream waits for it, so NCCL never reads a gradient before the kernels that
 write it, whichever stream the user runs them on. The engine runs a whole unit (copy into
 the fusion buffer, scaling, the NCCL call, scaling and copy out) with the communicator's
-stream as torch's current stream (:meth:`NCCLCommunicator.ordered`), then records a
-completion event that every submitting stream waits for, and completes the handles only
-once that event has fired. Each thread that talks to CUDA for a communicator selects the
-communicator's device once (CuPy's and torch's), and never switches back to GPU 0.
+stream as torch's current stream (:meth:`NCCLCommunicator.ordered`), records a completion
+event and goes on to the next unit without waiting; it completes the unit's handles once it
+has seen that event fire (:meth:`NCCLCommunicator.finished`). The submitting streams do not
+wait for the event, so the user's later kernels run while the unit communicates; they see
+the results because the user reads them only after the handle completed. Each thread that
+talks to CUDA for a communicator selects the communicator's device once (CuPy's and
+torch's), and never switches back to GPU 0.
 
-The engine thread watches the completion event with a deadline instead of blocking in CUDA:
+The engine thread watches completion events with a deadline instead of blocking in CUDA:
 an NCCL error reported asynchronously, or a collective that does not finish in time (a peer
 died or never called it), aborts the communicator and raises :class:`NCCLError` or
 :class:`NCCLTimeoutError` instead of hanging.
@@ -71,12 +74,28 @@ _FIRST_POLL_S = 2e-6
 _LONGEST_POLL_S = 1e-3
 
 __all__ = [
-    "BFLOAT16_MIN_VERSION", "DEFAULT_TIMEOUT_S", "NCCLCommunicator", "NCCLError",
+    "BFLOAT16_MIN_VERSION", "DEFAULT_TIMEOUT_S", "LaunchedUnit", "NCCLCommunicator", "NCCLError",
     "NCCLTimeoutError", "NCCLUnavailableError", "StreamMark", "cross_communicator",
     "current_stream_ptr", "dtype_table", "import_cupy", "is_cuda", "local_communicator",
     "mark_submission", "on_stream", "op_table", "record_stream", "set_torch_device",
     "tensor_device", "thread_cuda_device",
 ]
+
+
+class LaunchedUnit:
+    """A unit of the engine launched on a communicator's stream by
+    :meth:`NCCLCommunicator.ordered`: what it is (for errors), its device, its deadline
+    (launch time plus the timeout), the tensors it made for the submitters and, once its
+    body has run, its completion event."""
+
+    __slots__ = ("what", "device", "deadline", "produced", "done")
+
+    def __init__(self, what: str, device: torch.device, deadline: float) -> None:
+        self.what = what
+        self.device = device
+        self.deadline = deadline
+        self.produced: list[torch.Tensor] = []
+        self.done: Any = None
 
 
 class NCCLCommunicator(Communicator):
@@ -225,30 +244,55 @@ class NCCLCommunicator(Communicator):
     @contextmanager
     def ordered(
         self, device: torch.device, marks: Sequence[StreamMark], what: str = "collective"
-    ) -> Iterator[list[torch.Tensor]]:
-        """Runs the body (a unit of the engine) on this communicator's stream, after the
-        submissions of ``marks``; then makes each submitting stream wait for it and waits
-        (polling, with the timeout) until it has finished. Returns only once the unit's
-        results are in place, so its handles may complete. The body lists the tensors it
-        made for the submitters (allocated on this stream) in the list it is given."""
+    ) -> Iterator[LaunchedUnit]:
+        """Launches the body (a unit of the engine) on this communicator's stream, after the
+        submissions of ``marks``, and returns without waiting for it: the
+        :class:`LaunchedUnit` it yields records the unit's completion event once the body
+        has run, and :meth:`finished` tells when that event has fired. The body lists the
+        tensors it made for the submitters (allocated on this stream) in ``produced``:
+        they are recorded for the submitting streams, which read them once the unit's
+        handles have completed.
+
+        The submitting streams do not wait for the unit: their later kernels (the rest of a
+        backward pass) run while it communicates. The engine completes the unit's handles
+        only after the host saw its event fire, so whatever the user queues after waiting
+        for a handle is ordered after the unit."""
         self._bind(device)
         self._select(device)
         for mark in marks:
             self._stream.wait_event(mark.ready)
-        produced: list[torch.Tensor] = []
+        launched = LaunchedUnit(what, device, time.monotonic() + self.timeout_s)
         self._in_unit = True
         try:
             with on_stream(device, self._stream.ptr):
-                yield produced
+                yield launched
         finally:
             self._in_unit = False
         done = self._cupy.cuda.Event(disable_timing=True)
         done.record(self._stream)
         for consumer in dict.fromkeys(mark.consumer for mark in marks):
-            _external(self._cupy, consumer).wait_event(done)
-            for tensor in produced:
+            for tensor in launched.produced:
                 record_stream(tensor, device, consumer)
-        self._wait(done, what, device)
+        launched.done = done
+
+    def finished(self, launched: LaunchedUnit) -> bool:
+        """Whether the unit launched by :meth:`ordered` has finished, without blocking.
+
+        Raises:
+            NCCLError: NCCL reported an asynchronous error, the communicator was aborted or
+                the engine stopped; the communicator is aborted.
+            NCCLTimeoutError: the unit did not finish within the timeout; the communicator
+                is aborted.
+        """
+        if launched.done is not None and launched.done.done:
+            return True
+        self._check_stuck(launched.what, launched.device, launched.deadline)
+        return False
+
+    def wait(self, launched: LaunchedUnit) -> None:
+        """Waits (polling) until the unit launched by :meth:`ordered` has finished; raises
+        as :meth:`finished` does."""
+        self._wait(launched.done, launched.what, launched.device, launched.deadline)
 
     @contextmanager
     def _group(self) -> Iterator[None]:
@@ -259,27 +303,41 @@ class NCCLCommunicator(Communicator):
         finally:
             self._nccl.groupEnd()
 
-    def _wait(self, done: Any, what: str, device: torch.device) -> None:
+    def _wait(
+        self, done: Any, what: str, device: torch.device, deadline: float | None = None
+    ) -> None:
         """Polls ``done`` between short sleeps (which leave the GIL to the training thread),
         checking NCCL's asynchronous error state, until it fires or the deadline passes."""
-        deadline = time.monotonic() + self.timeout_s
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout_s
         delay = _FIRST_POLL_S
         while not done.done:
-            self._check_async_error(what, device)
-            stopped = self.stopped() if self.stopped is not None else None
-            if stopped is not None:
-                reason = f"NCCL {what} on {device} was abandoned because the engine stopped"
-                self.abort(f"{reason}: {stopped}")
-                raise NCCLError(f"{reason}: {stopped}. The NCCL communicator was aborted.")
-            if time.monotonic() >= deadline:
-                reason = (
-                    f"NCCL {what} on {device} did not finish within {self.timeout_s:g} s; a "
-                    "peer may have died or not submitted the same collective"
-                )
-                self.abort(reason)
-                raise NCCLTimeoutError(f"{reason}. The NCCL communicator was aborted.")
+            self._check_stuck(what, device, deadline)
             time.sleep(delay)
             delay = min(delay * 2, _LONGEST_POLL_S)
+
+    def _check_stuck(self, what: str, device: torch.device, deadline: float) -> None:
+        """Raises (aborting the communicator) when a collective still running never will
+        finish: NCCL reported an error, the communicator was aborted, the engine stopped,
+        or the deadline passed."""
+        if self._aborted is not None:
+            raise NCCLError(
+                f"NCCL {what} on {device} cannot finish: the NCCL communicator was aborted: "
+                f"{self._aborted}"
+            )
+        self._check_async_error(what, device)
+        stopped = self.stopped() if self.stopped is not None else None
+        if stopped is not None:
+            reason = f"NCCL {what} on {device} was abandoned because the engine stopped"
+            self.abort(f"{reason}: {stopped}")
+            raise NCCLError(f"{reason}: {stopped}. The NCCL communicator was aborted.")
+        if time.monotonic() >= deadline:
+            reason = (
+                f"NCCL {what} on {device} did not finish within {self.timeout_s:g} s; a "
+                "peer may have died or not submitted the same collective"
+            )
+            self.abort(reason)
+            raise NCCLTimeoutError(f"{reason}. The NCCL communicator was aborted.")
 
     def _check_async_error(self, what: str, device: torch.device) -> None:
         check = getattr(self._handle, "check_async_error", None)

@@ -9,8 +9,10 @@ all of them make it in the same one). The tensor arithmetic lives in
 
 Device units run inside their communicator's ``ordered`` scope (see
 :meth:`baguahvd.backends.nccl.NCCLCommunicator.ordered`): after the submitters' streams, on
-the communicator's stream, and their handles complete only when the unit's completion event
-has fired. A member that joined contributes zeros on the device its submissions used.
+the communicator's stream. They are launched, not waited for: their handles complete in
+:mod:`~baguahvd.engine.completion` once the unit's completion event has fired, while the
+engine goes on with the next units. A member that joined contributes zeros on the device its
+submissions used.
 
 A collective that raises here raises to the caller: on the engine thread that fails the
 job (see :class:`CollectiveFailure`); for a single-member set, which never leaves the
@@ -28,24 +30,16 @@ from baguahvd.backends import nccl
 from baguahvd.backends.base import Communicator, DeviceCommFactory, SelfCommunicator
 from baguahvd.common.exceptions import HorovodInternalError, MismatchError
 from baguahvd.engine import execute
+from baguahvd.engine.completion import CollectiveFailure, Completions, Entry
 from baguahvd.engine.intake import RequestQueue
-from baguahvd.engine.messages import OpType, Response, build_response
+from baguahvd.engine.messages import OpType, build_response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
 from baguahvd.engine.timeline import Timeline, transport_activity
 
 logger = logging.getLogger("baguahvd.engine")
 
-Entry = tuple[Response, Request | None]
-
-
-class CollectiveFailure(Exception):
-    """A unit of agreed collectives raised on this rank while it ran (engine thread)."""
-
-    def __init__(self, unit: list[Entry], error: Exception) -> None:
-        super().__init__(str(error))
-        self.unit = unit
-        self.error = error
+__all__ = ["CollectiveFailure", "Dispatcher", "Entry", "named_error"]
 
 
 def named_error(exc: Exception, name: str) -> HorovodInternalError:
@@ -96,6 +90,8 @@ class Dispatcher:
         self.buffers = execute.FusionBuffers()
         self.user_device: torch.device | None = None
         """The CUDA device of this rank's submissions (where its joined zeros go)."""
+        self.pending = Completions()
+        """Device units launched and not completed yet."""
         self._deferred: list[Callable[[], None]] | None = None
         self._produced: list[torch.Tensor] = []
         """Outputs the running device unit allocated on its communicator's stream."""
@@ -122,7 +118,7 @@ class Dispatcher:
 
     def execute_ordered(self, unit: list[Entry], comm: Communicator) -> None:
         """:meth:`execute` in the stream order of a device communicator (module docstring);
-        the handles complete once the unit's results are in place."""
+        the handles complete in :attr:`pending` once the unit's results are in place."""
         ordered = getattr(comm, "ordered", None)
         if ordered is None:
             self.execute(unit, comm)
@@ -135,14 +131,13 @@ class Dispatcher:
         deferred: list[Callable[[], None]] = []
         self._deferred = deferred
         try:
-            with ordered(device, marks, unit[0][0].name) as produced:
-                self._produced = produced
+            with ordered(device, marks, unit[0][0].name) as launched:
+                self._produced = launched.produced
                 self.execute(unit, comm)
         finally:
             self._deferred = None
             self._produced = []
-        for complete in deferred:
-            complete()
+        self.pending.add(comm, launched, unit, deferred)
 
     def run_alone(self, request: Request, state: ProcessSetState) -> None:
         """A single-member process set: no negotiation, no communication."""

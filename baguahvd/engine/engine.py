@@ -29,7 +29,8 @@ This module keeps the loop; the parts live beside it: :mod:`~baguahvd.engine.int
 (the request queue), :mod:`~baguahvd.engine.negotiation` and
 :mod:`~baguahvd.engine.coordinator` (steps 1 and 2, with the response cache),
 :mod:`~baguahvd.engine.fusion` (the fusion plan), :mod:`~baguahvd.engine.dispatch` (step 3's
-execution), :mod:`~baguahvd.engine.process_sets` (the registry) and
+execution; device units, launched without waiting, complete in
+:mod:`~baguahvd.engine.completion`), :mod:`~baguahvd.engine.process_sets` (the registry) and
 :mod:`~baguahvd.engine.lifecycle` (the states between start and exit, and every way out)
 and :mod:`~baguahvd.engine.autotune` (HOROVOD_AUTOTUNE: changes to the fusion threshold and
 cycle time, agreed in a cycle's decision and applied by every rank when that cycle ends).
@@ -406,12 +407,15 @@ class Engine:
                 logger.warning("could not pin the engine thread: %s", exc)
         lifecycle = self._lifecycle
         queue = self._queue
+        pending = self._dispatch.pending
         try:
             while lifecycle.error is None:
                 cycle_ms = self.settings.cycle_time_ms
                 # While requests are in flight, the next cycle starts at once: peers are
-                # waiting for this rank to announce what it has.
-                queue.wake.wait(0.0 if self._negotiation.in_flight() else cycle_ms / 1000.0)
+                # waiting for this rank to announce what it has. Meanwhile, device units
+                # launched earlier complete as they finish.
+                pause = 0.0 if self._negotiation.in_flight() else cycle_ms / 1000.0
+                pending.wait(queue.wake, pause)
                 queue.wake.clear()
                 queue.let_burst_finish(cycle_ms)
                 if not self._cycle():
@@ -423,6 +427,8 @@ class Engine:
         except BaseException as exc:  # noqa: BLE001 - the error is handed to every waiter
             self._internal_error(exc)
         finally:
+            if len(pending):
+                pending.abandon(lifecycle.error or ShutDownError())
             if self._watchdog is not None:
                 self._watchdog.stop()
 
@@ -443,7 +449,9 @@ class Engine:
         lifecycle.begin_cycle()
         agreed = self.control.bitwise_and(words, self._waiting)
         if negotiation.end_agreed(agreed):
-            # Some rank announced the end of the job: this cycle runs nothing.
+            # Some rank announced the end of the job: this cycle runs nothing, and the
+            # device units every rank launched finish first.
+            self._dispatch.pending.drain()
             decision = negotiation.negotiate(notice)
             final = decision.notice or Notice(NoticeKind.SHUTDOWN, -1)
             lifecycle.stop(final.error(self.rank), abnormal=final.abnormal)
@@ -551,7 +559,10 @@ class Engine:
         lifecycle.leave_mid_cycle(reason)
 
     def _fail_everything(self, error: BaseException) -> None:
-        pending = [*self._queue.drain(), *self._negotiation.drain(), *self._executing]
+        pending = [
+            *self._queue.drain(), *self._negotiation.drain(), *self._executing,
+            *self._dispatch.pending.requests(),
+        ]
         for request in pending:
             if not request.handle.done():
                 request.handle.fail(error)

@@ -31,6 +31,18 @@ not seen before is device memory on the process's GPU.
 A violation raises :class:`StreamViolation` at once. The queues themselves run later: each
 poll of an event runs one queued operation of a stream chosen by a seeded random generator
 (only operations whose waits are satisfied), so completion is observed in varying orders.
+
+Simulated time, for measuring overlap. :attr:`StreamModel.cost` gives each queued operation
+a duration (by its name: a torch operation's, ``"nccl.allReduce"``...; zero unless a test
+sets it). Each operation is placed in time when it is queued, as a GPU would run it: it
+starts once its stream has finished the operation before it, once the event it waits for
+(if any) has fired, and not before the host time of the thread that queued it; it ends its
+duration later. Streams run side by side, so compute on one stream and NCCL on another
+overlap unless an event orders them. A thread's host time starts at zero and moves to an
+event's time when the thread sees the event fire (a poll that answers True, a
+synchronize): work queued after the host waited for something starts after it.
+:attr:`ModelStream.free_at` is when a stream's last queued operation ends and
+:attr:`ModelStream.busy` the total duration of its operations.
 """
 
 from __future__ import annotations
@@ -68,6 +80,10 @@ class ModelStream:
     clock: Clock = field(default_factory=dict)
     queue: list[tuple[int, ModelEvent | None]] = field(default_factory=list)
     ran: int = 0
+    free_at: float = 0.0
+    """Simulated time at which the last queued operation ends."""
+    busy: float = 0.0
+    """Simulated time spent running the queued operations."""
 
     @property
     def position(self) -> int:
@@ -79,6 +95,8 @@ class ModelEvent:
     stream: ModelStream | None = None
     position: int = 0
     clock: Clock = field(default_factory=dict)
+    time: float = 0.0
+    """Simulated time at which it fires."""
 
 
 HOST = -1
@@ -121,6 +139,8 @@ class StreamModel:
         self._ptrs = itertools.count(0x9000)
         self._local = threading.local()
         self.lock = threading.RLock()
+        self.cost: Callable[[str], float] = lambda name: 0.0
+        """The simulated duration of a queued operation, by name (see module docstring)."""
         self.default = self.stream("default")
         self.fake = FakeCupy()
         self._patch_cupy()
@@ -161,12 +181,21 @@ class StreamModel:
 
     # -- accesses ---------------------------------------------------------------------------
 
-    def _step(self, stream: ModelStream, waits: ModelEvent | None = None) -> Access:
+    def host_time(self) -> float:
+        """This thread's simulated host time (see module docstring)."""
+        return getattr(self._local, "now", 0.0)
+
+    def _step(self, stream: ModelStream, waits: ModelEvent | None = None,
+              name: str = "") -> Access:
         with self.lock:
             _merge(stream.clock, self.host)
             position = stream.position + 1
             stream.clock[stream.ident] = position
             stream.queue.append((position, waits))
+            duration = self.cost(name) if name else 0.0
+            start = max(stream.free_at, self.host_time(), waits.time if waits else 0.0)
+            stream.free_at = start + duration
+            stream.busy += duration
             return stream.ident, position
 
     def _ordered(self, access: Access, clock: Clock) -> bool:
@@ -260,6 +289,7 @@ class StreamModel:
     def record(self, event: ModelEvent, stream: ModelStream) -> None:
         self._step(stream)
         event.stream, event.position, event.clock = stream, stream.position, dict(stream.clock)
+        event.time = stream.free_at
 
     def wait(self, stream: ModelStream, event: ModelEvent) -> None:
         self._step(stream, waits=event)
@@ -284,6 +314,7 @@ class StreamModel:
         self.run_one()
         if event.stream is None or event.stream.ran >= event.position:
             _merge(self.host, event.clock)
+            self._local.now = max(self.host_time(), event.time)
             return True
         return False
 
@@ -319,8 +350,14 @@ class StreamModel:
 
         @contextmanager
         def on_stream(device: torch.device, ptr: int) -> Iterator[None]:
-            with model.use(model.streams[ptr]):
-                yield
+            # torch.cuda.stream also makes the stream's device the current one meanwhile.
+            previous = model.torch_device()
+            model._local.torch_device = device.index
+            try:
+                with model.use(model.streams[ptr]):
+                    yield
+            finally:
+                model._local.torch_device = previous
 
         def set_torch_device(device: torch.device) -> None:
             model._local.torch_device = device.index
@@ -412,7 +449,7 @@ class StreamModel:
             def call(self: Any, *args: Any) -> None:
                 model.check_cupy_device(f"ncclComm.{name}")
                 stream = model.streams[args[-1]]
-                access = model._step(stream)
+                access = model._step(stream, name=f"nccl.{name}")
                 for index in sends:
                     model.read(model.at(args[index]), stream, access, f"NCCL {name}")
                 for index in recvs:
@@ -473,6 +510,11 @@ class _Mode(TorchDispatchMode):
             alias = argument.alias_info
             (written if alias is not None and alias.is_write else read).extend(tensors)
         name = func.__name__.split(".")[0]
+        # torch.tensor(data, device=...) lifts memory made outside the mode: not a read of
+        # device memory but a new buffer, copied from the host on this stream.
+        lifted = name == "lift_fresh"
+        if lifted:
+            read = []
         requested = kwargs.get("device")
         if isinstance(requested, torch.device) and requested.type == "cuda":
             kwargs = {**kwargs, "device": torch.device("cpu")}
@@ -493,7 +535,7 @@ class _Mode(TorchDispatchMode):
         result = func(*args, **kwargs)
         stream = model.current()
         with model.lock:
-            access = model._step(stream)
+            access = model._step(stream, name=name)
             what = f"torch {name}"
             for tensor in read + written:
                 model.read(model.buffer(tensor), stream, access, what)
@@ -501,7 +543,7 @@ class _Mode(TorchDispatchMode):
             outputs = result if isinstance(result, (list, tuple)) else [result]
             for tensor in outputs:
                 if isinstance(tensor, torch.Tensor):
-                    if tensor.untyped_storage().data_ptr() not in inputs:
+                    if lifted or tensor.untyped_storage().data_ptr() not in inputs:
                         model.allocate(tensor, stream, access, device)
             for tensor in written:
                 model.write(model.buffer(tensor), stream, access, what)

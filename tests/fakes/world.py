@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from baguahvd.backends.base import Communicator, ControlPlane
+from baguahvd.backends.base import Communicator, ControlPlane, DeviceCommFactory
 from baguahvd.common.config import Config
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.engine import Engine
@@ -339,9 +339,12 @@ class Job:
             self.world.close()
 
 
-def start_job(size: int, **config: Any) -> Job:
+def start_job(
+    size: int, device_comms: Callable[[int], DeviceCommFactory] | None = None, **config: Any
+) -> Job:
     """Builds and starts one engine per rank (what ``init()`` does, collectively).
 
+    ``device_comms(rank)``, when given, is the factory of that rank's device communicators.
     ``config`` overrides :class:`Config` fields; the defaults here never give up on a peer
     (the ranks share one process) and wait at most two seconds at exit.
     """
@@ -351,7 +354,7 @@ def start_job(size: int, **config: Any) -> Job:
     controls = [MemoryControlPlane(world, rank) for rank in range(size)]
 
     def build(rank: int) -> Engine:
-        engine = Engine(cfg, controls[rank])
+        engine = Engine(cfg, controls[rank], None if device_comms is None else device_comms(rank))
         engine.start()
         return engine
 

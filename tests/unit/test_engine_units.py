@@ -10,9 +10,11 @@ import torch
 
 from baguahvd.backends.base import SelfCommunicator
 from baguahvd.common.config import Config
+from baguahvd.common.exceptions import ShutDownError
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine import execute
 from baguahvd.engine.cache import Lookup, ResponseCache
+from baguahvd.engine.completion import CollectiveFailure, Completions
 from baguahvd.engine.messages import OpType, RequestMeta, Response, build_response
 from baguahvd.engine.requests import Request
 
@@ -531,3 +533,77 @@ def test_one_rank_allgather_broadcast_alltoall_reducescatter() -> None:
     assert received == [2] and torch.equal(outputs[0], x[:2])
     response, req = request(OpType.REDUCESCATTER, reduce_op=ReduceOp.AVERAGE, prescale=2.0)
     assert torch.equal(execute.reducescatter(comm, response, req)[0], x * 2)
+
+
+# ---------------------------------------------------------------------------------------
+# Completions of launched device units
+
+
+class _Device:
+    """A device communicator whose launched units finish when the test says so."""
+
+    def __init__(self) -> None:
+        self.fired: set[str] = set()
+        self.failure: Exception | None = None
+        self.aborted: list[str] = []
+
+    def finished(self, launched: str) -> bool:
+        if self.failure is not None:
+            raise self.failure
+        return launched in self.fired
+
+    def wait(self, launched: str) -> None:
+        self.fired.add(launched)
+
+    def abort(self, reason: str) -> None:
+        self.aborted.append(reason)
+
+
+def _launched(completions: Completions, comm: _Device, name: str, order: list[str]) -> Request:
+    request = Request(_meta(0, name=name), [torch.ones(1)], None)
+    response = build_response([request.meta], (0, 1), ())
+    completions.add(comm, name, [(response, request)], [lambda: order.append(name)])
+    return request
+
+
+def test_launched_units_complete_in_launch_order_across_communicators() -> None:
+    completions, order = Completions(), []
+    first, second = _Device(), _Device()
+    _launched(completions, first, "a", order)
+    _launched(completions, second, "b", order)
+    second.fired.add("b")
+    completions.poll()
+    assert order == [] and len(completions) == 2
+    first.fired.add("a")
+    completions.poll()
+    assert order == ["a", "b"] and len(completions) == 0
+
+
+def test_a_launched_unit_that_fails_names_its_unit() -> None:
+    completions, order = Completions(), []
+    comm = _Device()
+    request = _launched(completions, comm, "a", order)
+    comm.failure = RuntimeError("NCCL timeout")
+    with pytest.raises(CollectiveFailure, match="NCCL timeout") as info:
+        completions.poll()
+    assert info.value.unit[0][1] is request
+
+
+def test_waiting_for_the_next_cycle_completes_units_that_finish_meanwhile() -> None:
+    completions, order = Completions(), []
+    comm = _Device()
+    _launched(completions, comm, "a", order)
+    threading.Timer(0.01, lambda: comm.fired.add("a")).start()
+    completions.wait(threading.Event(), 2.0)
+    assert order == ["a"]
+
+
+def test_abandoned_units_abort_their_communicator_and_fail_their_handles() -> None:
+    completions, order = Completions(), []
+    comm = _Device()
+    requests = [_launched(completions, comm, name, order) for name in "ab"]
+    completions.abandon(ShutDownError())
+    assert len(comm.aborted) == 1 and order == []
+    for request in requests:
+        with pytest.raises(ShutDownError):
+            request.handle.wait()

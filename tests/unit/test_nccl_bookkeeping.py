@@ -11,6 +11,7 @@ exceptions instead of hangs. Whether NCCL then moves the right bytes is for
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -552,3 +553,64 @@ def test_a_collective_waited_for_is_abandoned_when_the_engine_stops(fake: FakeCu
     assert time.monotonic() - start < 5
     assert not isinstance(info.value, backend.NCCLTimeoutError)
     assert fake.communicators[0].aborted
+
+
+# ---------------------------------------------------------------------------------------
+# Units launched without waiting
+
+
+@pytest.fixture
+def launcher(fake: FakeCupy, monkeypatch: pytest.MonkeyPatch) -> FakeCupy:
+    """``fake``, with torch's current stream left alone inside units."""
+    monkeypatch.setattr(backend, "on_stream", lambda device, ptr: contextlib.nullcontext())
+    return fake
+
+
+def _launch(comm: backend.NCCLCommunicator, tensor: torch.Tensor) -> backend.LaunchedUnit:
+    with comm.ordered(DEVICE, [], "allreduce.g") as launched:
+        comm.allreduce(tensor, tensor, ReduceOp.SUM)
+    return launched
+
+
+def test_a_unit_is_launched_without_waiting_or_making_the_user_wait(launcher: FakeCupy) -> None:
+    comm = _bound(launcher)
+    launcher.polls_until_done = 2
+    launched = _launch(comm, torch.ones(4))
+    # Launched: the collective and its completion event, no poll, no wait of another stream.
+    assert launcher.log.names() == ["allReduce", "Event.record"]
+    assert [comm.finished(launched) for _ in range(3)] == [False, False, True]
+
+
+def test_a_launched_unit_past_its_deadline_aborts(launcher: FakeCupy) -> None:
+    comm = _bound(launcher, timeout_s=0.05)
+    launcher.polls_until_done = -1
+    launched = _launch(comm, torch.ones(2))
+    assert not comm.finished(launched)
+    time.sleep(0.06)
+    with pytest.raises(backend.NCCLTimeoutError, match=r"allreduce.g on cuda:0 .* 0.05 s"):
+        comm.finished(launched)
+    assert launcher.communicators[0].aborted
+
+
+def test_a_launched_unit_reports_an_asynchronous_error(launcher: FakeCupy) -> None:
+    comm = _bound(launcher)
+    launcher.polls_until_done = -1
+    launched = _launch(comm, torch.ones(2))
+    launcher.async_error = 6
+    with pytest.raises(backend.NCCLError, match="aborted"):
+        comm.finished(launched)
+    # The units launched after it can never finish either.
+    with pytest.raises(backend.NCCLError, match="cannot finish"):
+        comm.finished(launched)
+
+
+def test_a_launched_unit_is_abandoned_when_the_engine_stops(launcher: FakeCupy) -> None:
+    comm = _bound(launcher, timeout_s=60)
+    launcher.polls_until_done = -1
+    launched = _launch(comm, torch.ones(2))
+    comm.stopped = lambda: RuntimeError("rank 1 is gone")
+    start = time.monotonic()
+    with pytest.raises(backend.NCCLError, match="engine stopped: rank 1 is gone"):
+        comm.wait(launched)
+    assert time.monotonic() - start < 5
+    assert launcher.communicators[0].aborted

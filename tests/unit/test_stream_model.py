@@ -174,7 +174,13 @@ class Rank:
         return request
 
     def run(self, model: StreamModel, entries: list[tuple[Response, Request | None]]) -> None:
-        on_thread(model, lambda: self.dispatcher.run_unit(entries))
+        """Launches the unit and completes it, as the engine thread does."""
+
+        def engine() -> None:
+            self.dispatcher.run_unit(entries)
+            self.dispatcher.pending.drain()
+
+        on_thread(model, engine)
 
 
 def response(op: OpType, shapes: tuple[tuple[int, ...], ...], **fields: object) -> Response:
@@ -281,3 +287,125 @@ def test_outputs_made_on_the_nccl_stream_are_recorded_for_the_users_stream(
     # The user drops the output; the allocator hands its block to the NCCL stream again.
     nccl_stream = model.streams[rank.nccl._stream.ptr]
     model.allocate(output, nccl_stream, model._step(nccl_stream), GPU)
+
+
+# ---------------------------------------------------------------------------------------
+# Launched units complete later, from their events
+
+
+def allreduce_unit(rank: Rank, name: str, *shapes: tuple[int, ...]) -> tuple[
+    Request, list[torch.Tensor], list[tuple[Response, Request | None]]
+]:
+    """An allreduce of user tensors (fused when several), submitted on the current stream."""
+    inputs = user_tensors(*shapes)
+    request = rank.submit(OpType.ALLREDUCE, inputs, [torch.empty_like(t) for t in inputs])
+    entry = response(OpType.ALLREDUCE, tuple(shapes))._replace(key=name, name=name)
+    return request, inputs, [(entry, request)]
+
+
+def test_the_engine_launches_the_next_unit_before_the_first_has_finished(
+    model: StreamModel
+) -> None:
+    rank, user = Rank(), model.stream("user")
+    with model.active(), model.use(user):
+        first, _, unit1 = allreduce_unit(rank, "a", (3,), (2,))
+        second, _, unit2 = allreduce_unit(rank, "b", (4,), (1,))
+    launched: list[bool] = []
+
+    def engine() -> None:
+        rank.dispatcher.run_unit(unit1)
+        rank.dispatcher.run_unit(unit2)
+        (done1, done2) = [p.launched.done.model for p in rank.dispatcher.pending._units]
+        # Both collectives are queued on the NCCL stream; neither has run.
+        launched.append(done1.stream.ran < done1.position)
+        launched.append(not first.handle.done() and not second.handle.done())
+        rank.dispatcher.pending.drain()
+
+    on_thread(model, engine)
+    assert launched == [True, True]
+    assert [call[0] for call in model.fake.log.of("allReduce")] == ["allReduce"] * 2
+    assert first.handle.done() and second.handle.done()
+
+
+def test_a_handle_completes_only_after_its_event_fired(model: StreamModel) -> None:
+    rank, user = Rank(), model.stream("user")
+    with model.active(), model.use(user):
+        units = [allreduce_unit(rank, f"u{i}", (i + 2,)) for i in range(3)]
+    seen: list[tuple[bool, ...]] = []
+
+    def engine() -> None:
+        for _, _, unit in units:
+            rank.dispatcher.run_unit(unit)
+        events = [p.launched.done.model for p in rank.dispatcher.pending._units]
+        while len(rank.dispatcher.pending):
+            rank.dispatcher.pending.poll()
+            for (request, _, _), event in zip(units, events):
+                fired = event.stream.ran >= event.position
+                seen.append((request.handle.done(), fired))
+
+    on_thread(model, engine)
+    assert all(fired for done, fired in seen if done)
+    assert any(not done for done, _ in seen)  # the polls saw units still running
+
+
+def test_the_users_stream_does_not_wait_for_a_launched_unit(model: StreamModel) -> None:
+    rank, user = Rank(), model.stream("user")
+    with model.active(), model.use(user):
+        request, _, unit = allreduce_unit(rank, "a", (4,))
+
+    def engine() -> None:
+        rank.dispatcher.run_unit(unit)
+
+    on_thread(model, engine)
+    nccl_stream = model.streams[rank.nccl._stream.ptr]
+    with model.active(), model.use(user):
+        later = torch.ones(8, device=CUDA).mul_(3)  # the rest of the backward pass
+    assert user.clock.get(nccl_stream.ident, 0) == 0
+    assert all(waits is None or waits.stream is not nccl_stream for _, waits in user.queue)
+    assert not request.handle.done()
+    # The user's later kernel finishes without the collective running at all.
+    event = ModelEvent()
+    model.record(event, user)
+    while not model.query(event):
+        pass
+    model.host_read(later)
+
+
+def test_memory_of_completed_units_may_be_reused_on_the_users_stream(
+    model: StreamModel
+) -> None:
+    rank, user = Rank(), model.stream("user")
+    with model.active(), model.use(user):
+        first, inputs1, unit1 = allreduce_unit(rank, "a", (3,))
+        second, inputs2, unit2 = allreduce_unit(rank, "b", (5,))
+
+    reused = threading.Event()
+
+    def engine() -> None:
+        rank.dispatcher.run_unit(unit1)
+        rank.dispatcher.run_unit(unit2)
+        while not first.handle.done():
+            rank.dispatcher.pending.poll()
+        assert reused.wait(30)
+        rank.dispatcher.pending.drain()
+
+    def user_thread() -> None:
+        first.handle.wait()
+        with model.use(user):
+            # The user drops the first unit's tensors: the allocator hands their blocks out
+            # again on the user's stream while the second unit may still run.
+            for tensor in [*inputs1, *(first.outputs or [])]:
+                model.allocate(tensor, user, model._step(user), GPU)
+            # The second unit's tensors are still in use by the NCCL stream.
+            with pytest.raises(StreamViolation, match="record_stream"):
+                model.allocate(inputs2[0], user, model._step(user), GPU)
+        reused.set()
+
+    engine_thread = threading.Thread(target=on_thread, args=(model, engine))
+    engine_thread.start()
+    try:
+        on_thread(model, user_thread)
+    finally:
+        reused.set()
+        engine_thread.join(30)
+    assert second.handle.done()

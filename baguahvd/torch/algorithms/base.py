@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from baguahvd.backends import cuda_support
 from baguahvd.runtime.process_sets import ProcessSet
 from baguahvd.runtime.state import runtime
 from baguahvd.torch.algorithms.buckets import Bucket, split_into_buckets
@@ -95,7 +97,15 @@ class Worker:
         )
         self._thread.start()
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], None], tensor: torch.Tensor | None = None) -> None:
+        """Queues ``job``. ``tensor`` is one the job communicates, which the submitting thread
+        has just written: when it is a CUDA tensor, the job runs with the submitting thread's
+        current stream as its own, so that its collectives wait for those writes whichever
+        stream the training thread uses."""
+        if tensor is not None and cuda_support.is_cuda(tensor):
+            device = cuda_support.tensor_device(tensor)
+            stream = cuda_support.current_stream_ptr(device)
+            job = functools.partial(_on_stream, device, stream, job)
         with self._idle:
             self._pending += 1
         self._jobs.put(job)
@@ -129,6 +139,11 @@ class Worker:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+
+def _on_stream(device: torch.device, stream: int, job: Callable[[], None]) -> None:
+    with cuda_support.on_stream(device, stream):
+        job()
 
 
 class AlgorithmImpl:
@@ -191,7 +206,7 @@ class GradientAlgorithmImpl(AlgorithmImpl):
     def _launch(self, bucket: Bucket) -> None:
         self._next += 1
         self.pack(bucket)
-        self._worker.submit(lambda: self.communicate(bucket))
+        self._worker.submit(lambda: self.communicate(bucket), bucket.flat)
 
     def synchronize(self) -> None:
         while self._next < len(self.buckets):

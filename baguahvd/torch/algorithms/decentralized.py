@@ -168,7 +168,9 @@ class _DecentralizedImpl(AlgorithmImpl):
             bucket.gather_weights(peer)
         shift = self.communications
         self.communications += 1
-        self._worker.submit(lambda: self._exchange(shift))
+        self._worker.submit(
+            lambda: self._exchange(shift), self.peer_weights[0] if self.peer_weights else None
+        )
 
     def synchronize(self) -> None:
         if not self._communicates():

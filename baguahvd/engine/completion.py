@@ -1,0 +1,142 @@
+"""Completion of device units: the units the engine launched on a device communicator's
+stream and whose handles wait for the device.
+
+A device communicator launches a unit without waiting for it (see
+:meth:`baguahvd.backends.nccl.NCCLCommunicator.ordered`); the dispatcher then adds the unit
+here with what completes its handles. The engine thread polls the units between and during
+its cycles (:meth:`Completions.wait` replaces its sleep), so it negotiates and launches the
+next units while earlier ones still communicate. The protocol:
+
+- units complete in launch order, each once its communicator says it has finished: a later
+  unit never completes before an earlier one, whichever communicator ran it;
+- a unit that cannot finish (an NCCL error, the timeout, the engine stopping) raises
+  :class:`CollectiveFailure` from the poll that noticed it, as a failure while running it
+  would have;
+- at a normal end of the job every unit is waited for (:meth:`Completions.drain`); when the
+  engine thread stops otherwise, units still running are abandoned
+  (:meth:`Completions.abandon`): their communicators are aborted so no kernel keeps waiting
+  for a peer that is gone, and their handles fail.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from baguahvd.common.exceptions import HorovodInternalError
+from baguahvd.engine.messages import Response
+from baguahvd.engine.requests import Request
+
+Entry = tuple[Response, Request | None]
+
+_FIRST_POLL_S = 2e-6
+_LONGEST_POLL_S = 1e-3
+
+
+class CollectiveFailure(Exception):
+    """A unit of agreed collectives raised on this rank while it ran (engine thread)."""
+
+    def __init__(self, unit: list[Entry], error: Exception) -> None:
+        super().__init__(str(error))
+        self.unit = unit
+        self.error = error
+
+
+class _Pending(NamedTuple):
+    comm: Any
+    """The device communicator: ``finished(launched)``, ``wait(launched)``, ``abort()``."""
+    launched: Any
+    unit: list[Entry]
+    complete: list[Callable[[], None]]
+
+
+class Completions:
+    """The launched device units not completed yet, in launch order (see module docstring).
+
+    Only the engine thread adds, polls, drains and abandons; other threads may read
+    :meth:`requests` (to fail them when the engine stops).
+    """
+
+    def __init__(self) -> None:
+        self._units: list[_Pending] = []
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    def add(
+        self, comm: Any, launched: Any, unit: list[Entry], complete: list[Callable[[], None]]
+    ) -> None:
+        """Adds a launched unit and the calls that complete its handles."""
+        self._units.append(_Pending(comm, launched, unit, complete))
+
+    def requests(self) -> list[Request]:
+        """The requests of the units not completed yet."""
+        units = list(self._units)
+        return [request for pending in units for _, request in pending.unit
+                if request is not None]
+
+    def poll(self) -> None:
+        """Completes the finished units at the head of the queue; never blocks."""
+        while self._units:
+            pending = self._units[0]
+            try:
+                if not pending.comm.finished(pending.launched):
+                    return
+            except Exception as exc:
+                raise CollectiveFailure(pending.unit, exc) from exc
+            self._complete()
+
+    def drain(self) -> None:
+        """Waits for every unit and completes it (the job ends normally)."""
+        while self._units:
+            pending = self._units[0]
+            try:
+                pending.comm.wait(pending.launched)
+            except Exception as exc:
+                raise CollectiveFailure(pending.unit, exc) from exc
+            self._complete()
+
+    def wait(self, wake: threading.Event, timeout_s: float) -> None:
+        """``wake.wait(timeout_s)`` that completes units as they finish meanwhile."""
+        self.poll()
+        if not self._units:
+            wake.wait(timeout_s)
+            return
+        deadline = time.monotonic() + timeout_s
+        delay = _FIRST_POLL_S
+        while not wake.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if not self._units:
+                wake.wait(left)
+                return
+            wake.wait(min(delay, left))
+            delay = min(delay * 2, _LONGEST_POLL_S)
+            self.poll()
+
+    def abandon(self, error: BaseException) -> None:
+        """Gives up the units still running (the engine thread stops): aborts their
+        communicators and fails their handles with ``error``."""
+        units, self._units = self._units, []
+        aborted: set[int] = set()
+        for pending in units:
+            if id(pending.comm) not in aborted:
+                aborted.add(id(pending.comm))
+                pending.comm.abort(
+                    f"{len(units)} collective(s) were abandoned because the engine stopped: "
+                    f"{error}"
+                )
+            for _, request in pending.unit:
+                if request is not None:
+                    request.handle.fail(
+                        error if isinstance(error, HorovodInternalError)
+                        else HorovodInternalError(f"{request.meta.name}: {error}")
+                    )
+
+    def _complete(self) -> None:
+        pending = self._units.pop(0)
+        for complete in pending.complete:
+            complete()
