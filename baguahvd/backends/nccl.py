@@ -75,6 +75,7 @@ _LONGEST_POLL_S = 1e-3
 __all__ = [
     "BFLOAT16_MIN_VERSION", "DEFAULT_TIMEOUT_S", "NCCLCommunicator", "NCCLError",
     "NCCLTimeoutError", "NCCLUnavailableError", "StreamMark", "cross_communicator",
+    "single_rank_communicator",
     "current_stream_ptr", "dtype_table", "import_cupy", "is_cuda", "local_communicator",
     "mark_submission", "on_stream", "op_table", "record_stream", "set_torch_device",
     "tensor_device", "thread_cuda_device",
@@ -457,3 +458,9 @@ def local_communicator(topology: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> N
 def cross_communicator(topology: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> NCCLCommunicator:
     """An NCCL communicator of this local rank's peers (``topology.cross_comm``)."""
     return NCCLCommunicator(topology.cross_comm, timeout_s)
+
+
+def single_rank_communicator(timeout_s: float = DEFAULT_TIMEOUT_S) -> NCCLCommunicator:
+    """An NCCL communicator of this process alone (BAGUAHVD_NCCL_SINGLE_RANK), which takes
+    the whole NCCL path where a group of one would otherwise copy."""
+    return NCCLCommunicator(nccl_setup.OneRank(), timeout_s)

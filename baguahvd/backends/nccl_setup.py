@@ -145,6 +145,20 @@ class _Helper(threading.Thread):
             self.created.set()
 
 
+class OneRank:
+    """The MPI side of a one-rank NCCL communicator, which needs no MPI: this process is
+    the set's only member and its first rank."""
+
+    def Get_rank(self) -> int:
+        return 0
+
+    def Get_size(self) -> int:
+        return 1
+
+    def bcast(self, obj: Any, root: int = 0) -> Any:
+        return obj
+
+
 def exchange_unique_id(comm: Any, rank: int, nccl: Any, watch: _Watch) -> tuple[int, ...]:
     """The set's first rank makes the unique id; MPI carries it to the members, polled."""
     unique_id: tuple[int, ...] | None = nccl.get_unique_id() if rank == 0 else None
