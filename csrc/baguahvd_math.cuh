@@ -39,6 +39,7 @@ constexpr int kHeaderThreads = 32;      // one warp writes one 32-byte chunk hea
 constexpr long long kMaxBlocks = 4096;  // grid-stride loops cover the rest
 constexpr long long kMinMaxItemsPerThread = 16;
 constexpr long long kMaxMinMaxBlocks = 128;  // per chunk, first pass of the min/max
+constexpr long long kMinMaxBlocksPerSM = 8;   // 8 x 256 threads fill one SM
 
 constexpr int kHeaderBytes = 32;
 constexpr float kEps = 1e-7f;
@@ -54,8 +55,14 @@ BHVD_HD long long grid_blocks(long long work) {
   return clamp_ll(ceil_div(work, kThreads), 1, kMaxBlocks);
 }
 
-BHVD_HD long long minmax_blocks_per_chunk(long long chunk) {
-  return clamp_ll(ceil_div(chunk, kThreads * kMinMaxItemsPerThread), 1, kMaxMinMaxBlocks);
+// Blocks per chunk of the min/max first pass: enough to cover the chunk, capped at
+// kMaxMinMaxBlocks or, when the device's SM count is known, at what fills the device
+// across the rows (chunks) of the launch.
+BHVD_HD long long minmax_blocks_per_chunk(long long chunk, long long rows = 1,
+                                          long long sm_count = 0) {
+  const long long fill = ceil_div(sm_count * kMinMaxBlocksPerSM, rows < 1 ? 1 : rows);
+  const long long cap = fill > kMaxMinMaxBlocks ? fill : kMaxMinMaxBlocks;
+  return clamp_ll(ceil_div(chunk, kThreads * kMinMaxItemsPerThread), 1, cap);
 }
 
 // ---- layout -------------------------------------------------------------------------------

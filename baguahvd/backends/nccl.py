@@ -5,7 +5,8 @@ set's MPI communicator and does nothing until its first CUDA tensor arrives; the
 CuPy (the only CuPy import of the collectives), the set's first rank creates an NCCL unique
 id, MPI broadcasts it to the members and every member creates its NCCL communicator on the
 tensor's device. The engine runs every member's collectives in the same order, so that lazy
-creation is itself collective.
+creation is itself collective. Creation waits with the collective timeout and the engine's
+stop state instead of blocking in MPI or NCCL (see :mod:`baguahvd.backends.nccl_setup`).
 
 Streams. Each communicator has its own CUDA stream. When a CUDA tensor is submitted, the
 submitting thread records an event on its current torch stream (a :class:`StreamMark`): the
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch
 
+from baguahvd.backends import nccl_setup
 from baguahvd.backends.base import Communicator
 from baguahvd.backends.cuda_support import (
     BFLOAT16_MIN_VERSION,
@@ -76,6 +78,7 @@ _LONGEST_POLL_S = 1e-3
 __all__ = [
     "BFLOAT16_MIN_VERSION", "DEFAULT_TIMEOUT_S", "LaunchedUnit", "NCCLCommunicator", "NCCLError",
     "NCCLTimeoutError", "NCCLUnavailableError", "StreamMark", "cross_communicator",
+    "single_rank_communicator",
     "current_stream_ptr", "dtype_table", "import_cupy", "is_cuda", "local_communicator",
     "mark_submission", "on_stream", "op_table", "record_stream", "set_torch_device",
     "tensor_device", "thread_cuda_device",
@@ -156,19 +159,18 @@ class NCCLCommunicator(Communicator):
                     "(torch.cuda.set_device(hvd.local_rank())) and keep tensors on it."
                 )
             return
-        nccl = self._load()
-        cupy = self._cupy
+        self._load()
         self._select(device)
-        unique_id = nccl.get_unique_id() if self.rank == 0 else None
-        unique_id = self.comm.bcast(unique_id, root=0)
         try:
-            handle = nccl.NcclCommunicator(self.size, unique_id, self.rank)
-        except nccl.NcclError as exc:
-            raise NCCLError(
-                f"creating the NCCL communicator of {self.size} ranks on {device} failed: "
-                f"{exc}"
-            ) from exc
-        self._stream = cupy.cuda.Stream(non_blocking=True)
+            handle, stream = nccl_setup.create(
+                self._cupy, self.comm, self.rank, self.size, int(device.index or 0),
+                self.timeout_s, self.stopped,
+            )
+        except NCCLError as exc:
+            # Creation is collective: a member that gave up cannot join a later attempt.
+            self._aborted = str(exc)
+            raise
+        self._stream = stream
         self._handle = handle
         self._device = device
         logger.debug("NCCL communicator of %d ranks created on %s", self.size, device)
@@ -514,3 +516,9 @@ def local_communicator(topology: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> N
 def cross_communicator(topology: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> NCCLCommunicator:
     """An NCCL communicator of this local rank's peers (``topology.cross_comm``)."""
     return NCCLCommunicator(topology.cross_comm, timeout_s)
+
+
+def single_rank_communicator(timeout_s: float = DEFAULT_TIMEOUT_S) -> NCCLCommunicator:
+    """An NCCL communicator of this process alone (BAGUAHVD_NCCL_SINGLE_RANK), which takes
+    the whole NCCL path where a group of one would otherwise copy."""
+    return NCCLCommunicator(nccl_setup.OneRank(), timeout_s)

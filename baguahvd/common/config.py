@@ -184,7 +184,12 @@ class Config:
     process set's NCCL communicator runs on one CUDA stream."""
     nccl_timeout_s: float = 600.0
     """Seconds one GPU collective may take before its NCCL communicator is aborted and
-    ``NCCLTimeoutError`` raised (BAGUAHVD_NCCL_TIMEOUT_SECONDS; torch's NCCL default)."""
+    ``NCCLTimeoutError`` raised (BAGUAHVD_NCCL_TIMEOUT_SECONDS; torch's NCCL default). Also
+    the deadline of creating a communicator (unique id, init and first connection setup)."""
+    nccl_single_rank: bool = False
+    """A job of one rank sends CUDA tensors through a one-rank NCCL communicator instead of
+    the identity fast path (BAGUAHVD_NCCL_SINGLE_RANK): for smoke-testing the GPU path on
+    one GPU."""
     thread_affinity: tuple[int, ...] = ()
     """CPU cores for the engine thread, indexed by local rank (HOROVOD_THREAD_AFFINITY)."""
     algorithm: str | None = None
@@ -286,6 +291,7 @@ class Config:
             nccl_timeout_s=_as_number(
                 env, "NCCL_TIMEOUT_SECONDS", cls.nccl_timeout_s, horovod_alias=False, minimum=1
             ),
+            nccl_single_rank=_as_bool(env, "NCCL_SINGLE_RANK", horovod_alias=False),
             thread_affinity=affinity,
             algorithm=_lookup(env, "ALGORITHM", horovod_alias=False),
             bucket_bytes=_as_count(env, "BUCKET_SIZE", cls.bucket_bytes, minimum=1),

@@ -64,6 +64,8 @@ class Dispatcher:
         device_timeout_s: how long one collective of a device communicator may take.
         stopped: the engine's stop error, if any; a device collective being waited for is
             abandoned once there is one.
+        single_rank_nccl: single-member sets send CUDA tensors through a one-rank NCCL
+            communicator instead of copying them (BAGUAHVD_NCCL_SINGLE_RANK).
     """
 
     def __init__(
@@ -77,8 +79,10 @@ class Dispatcher:
         remove_process_set: Callable[[int], None],
         device_timeout_s: float = nccl.DEFAULT_TIMEOUT_S,
         stopped: Callable[[], BaseException | None] | None = None,
+        single_rank_nccl: bool = False,
     ) -> None:
         self.rank = rank
+        self.single_rank_nccl = single_rank_nccl
         self.process_sets = process_sets
         self.queue = queue
         self.timeline = timeline
@@ -116,9 +120,12 @@ class Dispatcher:
             return
         self.execute(unit, state.comm)
 
-    def execute_ordered(self, unit: list[Entry], comm: Communicator) -> None:
+    def execute_ordered(
+        self, unit: list[Entry], comm: Communicator, wait_here: bool = False
+    ) -> None:
         """:meth:`execute` in the stream order of a device communicator (module docstring);
-        the handles complete in :attr:`pending` once the unit's results are in place."""
+        the handles complete in :attr:`pending` once the unit's results are in place, or,
+        with ``wait_here`` (a caller that is not the engine thread), before this returns."""
         ordered = getattr(comm, "ordered", None)
         if ordered is None:
             self.execute(unit, comm)
@@ -137,7 +144,12 @@ class Dispatcher:
         finally:
             self._deferred = None
             self._produced = []
-        self.pending.add(comm, launched, unit, deferred)
+        if not wait_here:
+            self.pending.add(comm, launched, unit, deferred)
+            return
+        alone = Completions()
+        alone.add(comm, launched, unit, deferred)
+        alone.drain()
 
     def run_alone(self, request: Request, state: ProcessSetState) -> None:
         """A single-member process set: no negotiation, no communication."""
@@ -148,10 +160,29 @@ class Dispatcher:
         if self.timeline is not None and self.timeline.active:
             self.timeline.queued(response.name, response.op, request.activity)
         try:
-            self.execute([(response, request)], comm)
+            if self.single_rank_nccl and self._through_nccl(request, state):
+                assert state.device_comm is not None
+                # The submitting thread runs it: only the engine thread polls launched
+                # units, so this one is waited for here.
+                self.execute_ordered([(response, request)], state.device_comm, wait_here=True)
+            else:
+                self.execute([(response, request)], comm)
         except Exception as exc:  # noqa: BLE001 - reported through the handle
             logger.exception("%s failed", response.name)
-            self.finish(request, error=named_error(exc, response.name))
+            cause = exc.error if isinstance(exc, CollectiveFailure) else exc
+            self.finish(request, error=named_error(cause, response.name))
+
+    def _through_nccl(self, request: Request, state: ProcessSetState) -> bool:
+        """Whether a single-member collective of CUDA tensors takes a one-rank NCCL
+        communicator (made at the first one) instead of the identity fast path."""
+        request.mark = nccl.mark_submission(request.inputs)
+        if request.mark is None:
+            return False
+        if state.device_comm is None:
+            device_comm = nccl.single_rank_communicator(self.device_timeout_s)
+            device_comm.stopped = self.stopped
+            state.device_comm = device_comm
+        return True
 
     def device_comm(self, state: ProcessSetState, comm: Communicator) -> Communicator:
         """The set's device communicator, created on first use (see module docstring)."""

@@ -29,6 +29,7 @@ HEADER_THREADS = 32
 MAX_BLOCKS = 4096
 MINMAX_ITEMS_PER_THREAD = 16
 MAX_MINMAX_BLOCKS = 128
+MINMAX_BLOCKS_PER_SM = 8
 
 Launch = tuple[str, tuple[int, ...], int, Sequence[object]]
 """One kernel launch: name, grid, threads per block, arguments."""
@@ -62,9 +63,20 @@ def grid_blocks(work: int) -> int:
     return min(max(_ceil_div(work, THREADS), 1), MAX_BLOCKS)
 
 
-def minmax_blocks_per_chunk(chunk: int) -> int:
-    """Blocks per chunk of the min/max first pass (``bhvd::minmax_blocks_per_chunk``)."""
-    return min(max(_ceil_div(chunk, THREADS * MINMAX_ITEMS_PER_THREAD), 1), MAX_MINMAX_BLOCKS)
+def minmax_blocks_per_chunk(chunk: int, rows: int = 1, sm_count: int = 0) -> int:
+    """Blocks per chunk of the min/max first pass (``bhvd::minmax_blocks_per_chunk``):
+    enough to cover the chunk, capped at :data:`MAX_MINMAX_BLOCKS` or, on a device of
+    ``sm_count`` SMs, at what fills it across the ``rows`` chunks of the launch."""
+    cap = max(MAX_MINMAX_BLOCKS, _ceil_div(sm_count * MINMAX_BLOCKS_PER_SM, max(rows, 1)))
+    return min(max(_ceil_div(chunk, THREADS * MINMAX_ITEMS_PER_THREAD), 1), cap)
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SM count; 0 (unknown) where torch cannot tell."""
+    try:
+        return int(torch.cuda.get_device_properties(device).multi_processor_count)
+    except (AssertionError, RuntimeError, AttributeError):
+        return 0
 
 
 def _import_cupy() -> Any | None:
@@ -86,6 +98,7 @@ class CudaKernels:
         self._device = device
         self._functions: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._sm_count = _sm_count(device)
 
     def _function(self, name: str) -> Any:
         with self._lock:
@@ -137,7 +150,7 @@ class CudaKernels:
         chunk, slot = layout.chunk_size, layout.slot_bytes
         first = 0 if target_chunk is None else target_chunk
         rows = layout.n_chunks if target_chunk is None else 1
-        blocks = minmax_blocks_per_chunk(chunk)
+        blocks = minmax_blocks_per_chunk(chunk, rows, self._sm_count)
         workspace = torch.empty(2 * rows * blocks, dtype=torch.float32, device=tensor.device)
         numel, chunk_ll, slot_ll = np.int64(layout.numel), np.int64(chunk), np.int64(slot)
         first_i = np.int32(first)

@@ -346,6 +346,11 @@ def addmul_(x: torch.Tensor, y: torch.Tensor, factor: float) -> torch.Tensor:
 
 def scale_(x: torch.Tensor, factor: float) -> torch.Tensor:
     """``x = x * factor``."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        # One pass: torch multiplies 16-bit floats by a Python scalar in fp32 and rounds
+        # once: the bits of the fp32 product stored back, NaN payloads aside
+        # (tests/unit/test_kernels_host).
+        return x.mul_(float(_f32(factor, torch.device("cpu"))))
     f = _f32(factor, x.device)
     if x.dtype == torch.float32:
         return x.mul_(f)

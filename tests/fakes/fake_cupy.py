@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import threading
 import types
 from typing import Any
 
@@ -44,6 +45,12 @@ class CallLog(list):
     def of(self, name: str) -> list[tuple[Any, ...]]:
         return [entry for entry in self if entry[0] == name]
 
+    def work(self, name: str) -> list[tuple[Any, ...]]:
+        """The calls of ``name`` but the one-byte uint8 allreduce that warms up each new
+        communicator (``(name, rank, send, recv, count, dtype, ...)``)."""
+        return [entry for entry in self.of(name)
+                if not (name == "allReduce" and entry[4:6] == (1, NCCL_TYPES["NCCL_UINT8"]))]
+
 
 class FakeCupy:
     """Builds the fake modules and holds the knobs that tests turn.
@@ -64,6 +71,12 @@ class FakeCupy:
         self.polls_until_done = 0
         """How many ``Event.done`` queries answer False before True; -1: never done."""
         self.communicators: list[Any] = []
+        self.blocked: dict[str, threading.Event] = {}
+        """Calls that wait, on the calling thread, until their event is set: the
+        ``NcclCommunicator`` constructor (a peer that has not called it yet) or a collective
+        (its connection setup). ``abort`` sets the events of the collectives, as
+        ``ncclCommAbort`` releases a thread waiting inside NCCL."""
+        self.allocations = itertools.count(0xA000, 0x200)
         self._stream_ptrs = itertools.count(NCCL_STREAM_BASE)
         self._event_ids = itertools.count(1)
         self.cupy = self._build(bfloat16)
@@ -87,9 +100,15 @@ class FakeCupy:
                 super().__init__(f"NCCL_ERROR_{status}: fake failure")
                 self.status = status
 
+        def wait_if_blocked(name: str) -> None:
+            gate = fake.blocked.get(name)
+            if gate is not None:
+                gate.wait()
+
         def recorder(name: str) -> Any:
             def call(self: Any, *args: Any) -> None:
                 log.append((name, self.rank, *args))
+                wait_if_blocked(name)
                 if fake.fail_call == name:
                     raise NcclError(3)
 
@@ -98,6 +117,8 @@ class FakeCupy:
         class NcclCommunicator:
             def __init__(self, ndev: int, comm_id: tuple[int, ...], rank: int) -> None:
                 assert isinstance(comm_id, tuple) and len(comm_id) == 128
+                assert all(-128 <= value < 128 for value in comm_id), "signed chars"
+                wait_if_blocked("NcclCommunicator")
                 self.ndev = ndev
                 self.comm_id = comm_id
                 self.rank = rank
@@ -122,6 +143,9 @@ class FakeCupy:
             def abort(self) -> None:
                 log.append(("abort", self.rank))
                 self.aborted = True
+                for name, gate in fake.blocked.items():
+                    if name != "NcclCommunicator":
+                        gate.set()
 
             def destroy(self) -> None:
                 log.append(("destroy", self.rank))
@@ -130,7 +154,8 @@ class FakeCupy:
         def get_unique_id() -> tuple[int, ...]:
             fake.unique_ids += 1
             log.append(("get_unique_id",))
-            return tuple([fake.unique_ids] * 128)
+            # Signed chars, as CuPy gives them: the MPI broadcast must keep the sign.
+            return tuple([fake.unique_ids, -fake.unique_ids] * 64)
 
         def get_version() -> int:
             return fake.version
@@ -208,9 +233,14 @@ class FakeCupy:
                 self.ptr = ptr
                 self.non_blocking = False
 
+        class MemoryPointer:
+            def __init__(self, size: int) -> None:
+                self.ptr = next(fake.allocations)
+                log.append(("alloc", self.ptr, size))
+
         cuda = _module(
             "cupy.cuda", nccl=nccl, Device=Device, Event=Event, Stream=Stream,
-            ExternalStream=ExternalStream,
+            ExternalStream=ExternalStream, alloc=MemoryPointer,
         )
         return _module("cupy", cuda=cuda)
 

@@ -2,7 +2,9 @@
 
 The members share one mailbox: a ``bcast`` from the root leaves its object there, and the
 other members' ``bcast`` calls take it. Tests therefore drive the root first, or (members
-on threads) give the others time to wait for it.
+on threads) give the others time to wait for it. ``Ibcast`` works the same way on byte
+buffers, except that a member's request only completes (``Test``) once the root has posted:
+a root that never comes leaves it pending.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ class FakeComm:
         """What this member passed to ``bcast`` and the root it named."""
         self.wait_s = wait_s
         """How long a member's ``bcast`` waits for the root's."""
+        self.ibcasts: list[tuple[bytes, int]] = []
+        """The bytes this member's ``Ibcast`` buffer held when called, and the root."""
 
     def Get_rank(self) -> int:
         return self.rank
@@ -40,6 +44,28 @@ class FakeComm:
             time.sleep(0.001)
         assert "bcast" in self.mailbox, "drive the root member first"
         return self.mailbox["bcast"]
+
+    def Ibcast(self, buffer: bytearray, root: int = 0) -> FakeRequest:
+        self.ibcasts.append((bytes(buffer), root))
+        if self.rank == root:
+            self.mailbox["ibcast"] = bytes(buffer)
+        return FakeRequest(buffer, self.mailbox)
+
+
+class FakeRequest:
+    """The request of one member's ``Ibcast``: done once the root's bytes are there."""
+
+    def __init__(self, buffer: bytearray, mailbox: dict[str, Any]) -> None:
+        self.buffer = buffer
+        self.mailbox = mailbox
+        self.tests = 0
+
+    def Test(self) -> bool:
+        self.tests += 1
+        if "ibcast" not in self.mailbox:
+            return False
+        self.buffer[:] = self.mailbox["ibcast"]
+        return True
 
 
 def members(size: int, wait_s: float = 0.0) -> list[FakeComm]:

@@ -137,6 +137,7 @@ class StreamModel:
         self.streams: dict[int, ModelStream] = {}
         self.buffers: dict[int, Buffer] = {}
         self._ptrs = itertools.count(0x9000)
+        self._allocations = itertools.count(0x100000, 0x200)
         self._local = threading.local()
         self.lock = threading.RLock()
         self.cost: Callable[[str], float] = lambda name: 0.0
@@ -437,7 +438,14 @@ class StreamModel:
                 model.check_cupy_device("Stream.wait_event")
                 model.wait(model.streams[self.ptr], event.model)
 
+        class MemoryPointer:
+            def __init__(self, size: int) -> None:
+                model.check_cupy_device("cupy.cuda.alloc")
+                self.ptr = next(model._allocations)
+                model.buffers[self.ptr] = Buffer(model.device, model.current().ident, size)
+
         cuda.Device, cuda.Event, cuda.Stream = Device, Event, Stream
+        cuda.alloc = MemoryPointer
         cuda.ExternalStream = Stream.from_external
         communicator = cuda.nccl.NcclCommunicator
 

@@ -4,6 +4,7 @@ and which submissions take a stream mark."""
 from __future__ import annotations
 
 import configparser
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType
 from baguahvd.engine.process_sets import ProcessSetState
 from tests.fakes import fake_mpi
+from tests.fakes.fake_cupy import FakeCupy
 from tests.fakes.world import start_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,3 +71,47 @@ def test_a_single_member_set_takes_no_stream_mark(monkeypatch: pytest.MonkeyPatc
         assert handle.wait() is not None
     finally:
         job.close()
+
+
+def test_single_rank_nccl_is_a_setting() -> None:
+    assert Config.from_env({}).nccl_single_rank is False
+    assert Config.from_env({"BAGUAHVD_NCCL_SINGLE_RANK": "1"}).nccl_single_rank is True
+
+
+@pytest.mark.parametrize("through_nccl", [False, True], ids=["default", "single-rank-nccl"])
+def test_single_rank_nccl_routes_a_one_rank_allreduce_through_nccl(
+    monkeypatch: pytest.MonkeyPatch, through_nccl: bool
+) -> None:
+    fake = FakeCupy()
+    fake.install(monkeypatch)
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(backend, "tensor_device", lambda tensor: device)
+    monkeypatch.setattr(backend, "current_stream_ptr", lambda device: 0x7070)
+    monkeypatch.setattr(backend, "set_torch_device", lambda device: None)
+    monkeypatch.setattr(backend, "on_stream", lambda device, ptr: contextlib.nullcontext())
+    monkeypatch.setattr(backend, "record_stream", lambda tensor, device, ptr: None)
+    marks: list[object] = []
+
+    def mark(tensors: list[torch.Tensor]) -> backend.StreamMark:
+        made = backend.StreamMark(device, 0x7070, fake.cupy.cuda.Event())
+        marks.append(made)
+        return made
+
+    monkeypatch.setattr(backend, "mark_submission", mark)
+    job = start_job(1, nccl_single_rank=through_nccl)
+    try:
+        tensor, output = torch.arange(3.0), torch.zeros(3)
+        handle = job.engines[0].submit(OpType.ALLREDUCE, "allreduce", 0, [tensor], [output])
+        (result,) = handle.wait()
+        # The fake NCCL moves no bytes: only the identity path copies the input over.
+        assert torch.equal(result, torch.zeros(3) if through_nccl else tensor)
+    finally:
+        job.close()
+    reduced = [call for call in fake.log.of("allReduce") if call[4] == 3]
+    if through_nccl:
+        assert len(marks) == 1 and len(fake.log.of("NcclCommunicator")) == 1
+        assert reduced and reduced[0][1] == 0  # rank 0 of a one-rank communicator
+        assert reduced[0][2:4] == (tensor.data_ptr(), output.data_ptr())
+        assert fake.log.of("NcclCommunicator")[0][1] == 1
+    else:
+        assert marks == [] and fake.log == []

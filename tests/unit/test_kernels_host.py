@@ -281,3 +281,20 @@ def test_narrowing_nan_stays_nan(runner, dtype):
     values = torch.tensor([float("nan"), -float("nan")])
     got = runner.run("narrow", _sfx(dtype), 2, runner.save(values), out_dtype=dtype)
     assert torch.isnan(got.float()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_scaling_in_one_pass_keeps_the_fp32_product_bits(dtype):
+    from baguahvd.kernels import torch_impl
+
+    gen = torch.Generator().manual_seed(3)
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 65504.0,
+                             -65504.0, 6e-8, 1e-40])
+    for exponent, factor in [(-3, 0.1), (0, -2.75), (2, 1 / 3), (4, 1e-3), (1, 3e4)]:
+        x = torch.cat([torch.randn(4096, generator=gen) * 10.0**exponent, specials]).to(dtype)
+        expected = (x.float() * torch.tensor(factor, dtype=torch.float32)).to(dtype)
+        got = torch_impl.scale_(x.clone(), factor)
+        # Every number keeps its bits; a NaN stays a NaN (its payload may differ).
+        assert torch.equal(got.isnan(), expected.isnan())
+        numbers = ~expected.isnan()
+        assert torch.equal(got[numbers].view(torch.int16), expected[numbers].view(torch.int16))

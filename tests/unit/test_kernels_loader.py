@@ -274,3 +274,16 @@ def test_empty_tensors_launch_nothing(fake):
     fake.kernels.decompress(torch.zeros(layout.total_bytes, dtype=torch.uint8), layout, x)
     fake.kernels.elementwise("scale_inplace", [x], [2.0])
     assert fake.rec.calls == []
+
+
+def test_the_minmax_first_pass_fills_the_device_when_its_sm_count_is_known():
+    from baguahvd.kernels import cuda as kcuda
+
+    big = 1 << 26  # needs far more than 128 blocks of 256 x 16 elements
+    assert kcuda.minmax_blocks_per_chunk(big) == kcuda.MAX_MINMAX_BLOCKS
+    assert kcuda.minmax_blocks_per_chunk(big, rows=1, sm_count=132) == 132 * 8
+    assert kcuda.minmax_blocks_per_chunk(big, rows=4, sm_count=132) == 132 * 2
+    # Many chunks fill the device by themselves: the per-chunk floor stays.
+    assert kcuda.minmax_blocks_per_chunk(big, rows=64, sm_count=132) == kcuda.MAX_MINMAX_BLOCKS
+    # Never more blocks than the chunk has work for.
+    assert kcuda.minmax_blocks_per_chunk(4096 * 3, rows=1, sm_count=132) == 3

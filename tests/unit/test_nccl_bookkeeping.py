@@ -55,7 +55,7 @@ def _bound(fake: FakeCupy, size: int = 1, rank: int = 0,
     members = fake_mpi.members(size)
     comm = backend.NCCLCommunicator(members[rank], **kwargs)
     if rank != 0:
-        members[0].bcast((1,) * 128, root=0)
+        members[0].Ibcast(bytearray([1] * 128), root=0)
     token = torch.zeros(1)
     comm.broadcast(token, 0)
     fake.log.clear()
@@ -212,7 +212,7 @@ def test_bfloat16_is_reduced_in_float32_before_nccl_2_10(monkeypatch: pytest.Mon
     tensor_in = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
     tensor_out = torch.zeros(3, dtype=torch.bfloat16)
     _comm().allreduce(tensor_in, tensor_out, ReduceOp.SUM)
-    (call,) = _calls(fake, "allReduce")
+    _warm_up, call = _calls(fake, "allReduce")
     assert call[4:6] == (3, NCCL_TYPES["NCCL_FLOAT32"])
     assert call[2] == call[3]  # reduced in place in the widened copy
     # The fake reduces nothing, so the widened copy comes back unchanged.
@@ -231,11 +231,16 @@ def test_the_sets_first_rank_creates_the_unique_id_and_broadcasts_it(fake: FakeC
         tensor = torch.ones(2)
         comm.allreduce(tensor, tensor, ReduceOp.SUM)
     assert _calls(fake, "get_unique_id") == [("get_unique_id",)]
-    unique_id = members[0].bcasts[0][0]
-    assert isinstance(unique_id, tuple) and len(unique_id) == 128
-    assert [member.bcasts for member in members] == [
-        [(unique_id, 0)], [(None, 0)], [(None, 0)]
+    # The id travels as bytes over a non-blocking MPI broadcast and comes back as CuPy's
+    # signed chars.
+    sent, root = members[0].ibcasts[0]
+    assert root == 0 and len(sent) == 128
+    unique_id = tuple(value - 256 if value > 127 else value for value in sent)
+    assert min(unique_id) < 0
+    assert [member.ibcasts for member in members] == [
+        [(sent, 0)], [(bytes(128), 0)], [(bytes(128), 0)]
     ]
+    assert all(member.bcasts == [] for member in members)
     assert _calls(fake, "NcclCommunicator") == [
         ("NcclCommunicator", 3, unique_id, rank) for rank in range(3)
     ]
@@ -248,10 +253,14 @@ def test_the_communicator_is_created_once_on_the_tensors_device(fake: FakeCupy) 
         comm.broadcast(torch.ones(2), 0)
     assert len(_calls(fake, "NcclCommunicator")) == 1
     assert len(_calls(fake, "Stream")) == 1
-    creation = fake.log.names()[: fake.log.names().index("Stream") + 1]
-    # The device is selected once for the thread and never restored to another one.
-    assert creation == ["Device.use", "get_unique_id", "NcclCommunicator", "Stream"]
-    assert fake.log[0] == ("Device.use", 0)
+    creation = fake.log.names()[: fake.log.names().index("Event.done") + 1]
+    # The device is selected once for the calling thread and once for the helper that
+    # creates the communicator and warms it up; neither is restored to another one.
+    assert creation == [
+        "Device.use", "get_unique_id", "Device.use", "NcclCommunicator", "Stream", "alloc",
+        "allReduce", "Event.record", "Event.done",
+    ]
+    assert fake.log[0] == fake.log[2] == ("Device.use", 0)
     assert "Device.exit" not in fake.log.names()
     assert _calls(fake, "Stream") == [("Stream", NCCL_STREAM_BASE, True)]
 

@@ -323,7 +323,7 @@ def test_the_engine_launches_the_next_unit_before_the_first_has_finished(
 
     on_thread(model, engine)
     assert launched == [True, True]
-    assert [call[0] for call in model.fake.log.of("allReduce")] == ["allReduce"] * 2
+    assert [call[0] for call in model.fake.log.work("allReduce")] == ["allReduce"] * 2
     assert first.handle.done() and second.handle.done()
 
 
@@ -353,14 +353,19 @@ def test_the_users_stream_does_not_wait_for_a_launched_unit(model: StreamModel) 
     with model.active(), model.use(user):
         request, _, unit = allreduce_unit(rank, "a", (4,))
 
+    events: list[ModelEvent] = []
+
     def engine() -> None:
         rank.dispatcher.run_unit(unit)
+        events.extend(p.launched.done.model for p in rank.dispatcher.pending._units)
 
     on_thread(model, engine)
     nccl_stream = model.streams[rank.nccl._stream.ptr]
     with model.active(), model.use(user):
         later = torch.ones(8, device=CUDA).mul_(3)  # the rest of the backward pass
-    assert user.clock.get(nccl_stream.ident, 0) == 0
+    # The host waited for the communicator's warm-up, not for the unit.
+    (done,) = events
+    assert user.clock.get(nccl_stream.ident, 0) < done.position
     assert all(waits is None or waits.stream is not nccl_stream for _, waits in user.queue)
     assert not request.handle.done()
     # The user's later kernel finishes without the collective running at all.

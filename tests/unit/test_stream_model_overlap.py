@@ -37,6 +37,7 @@ import torch
 
 import baguahvd.torch as hvd
 from baguahvd.backends import nccl as backend
+from baguahvd.backends import nccl_setup
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.engine.completion import Completions
 from baguahvd.engine.engine import Engine
@@ -132,6 +133,9 @@ def train_step(model: StreamModel, job: Job) -> Step:
             torch.optim.SGD(weights, lr=0.1),
             named_parameters=[(f"w{i}", w) for i, w in enumerate(weights)],
         )
+        # As a training script does before its first step; this creates (and warms up)
+        # the NCCL communicator, outside the timed step.
+        hvd.broadcast_parameters({f"w{i}": w for i, w in enumerate(weights)}, root_rank=0)
         launched = [0]
         nccl_calls = model.fake.log
 
@@ -140,7 +144,7 @@ def train_step(model: StreamModel, job: Job) -> Step:
             # launched (see module docstring).
             launched[0] += 1
             deadline = time.monotonic() + 30
-            while sum(1 for call in nccl_calls.of("allReduce") if call[1] == 0) < launched[0]:
+            while sum(1 for call in nccl_calls.work("allReduce") if call[1] == 0) < launched[0]:
                 assert time.monotonic() < deadline, "the engine did not launch the allreduce"
                 time.sleep(0.0005)
 
@@ -184,12 +188,21 @@ def allreduce(model: StreamModel, engine: Engine, name: str) -> Any:
 
 
 def hold_events(model: StreamModel, monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Completion events answer "not yet" until the returned flag is set."""
+    """Completion events answer "not yet" until the returned flag is set; the event of a
+    new communicator's warm-up allreduce answers as it would."""
     fire = threading.Event()
     event_class = model.fake.cupy.cuda.Event
     done = event_class.done
+    warm_ups: set[int] = set()
+    helper_run = nccl_setup._Helper.run
+
+    def run(helper: nccl_setup._Helper) -> None:
+        helper_run(helper)
+        warm_ups.add(id(helper.warmed))
+
+    monkeypatch.setattr(nccl_setup._Helper, "run", run)
     monkeypatch.setattr(event_class, "done", property(
-        lambda event: fire.is_set() and done.fget(event)
+        lambda event: (fire.is_set() or id(event) in warm_ups) and done.fget(event)
     ))
     return fire
 
@@ -197,7 +210,7 @@ def hold_events(model: StreamModel, monkeypatch: pytest.MonkeyPatch) -> threadin
 def launched(model: StreamModel, count: int) -> None:
     """Waits until ``count`` NCCL allreduces were launched (every rank's)."""
     deadline = time.monotonic() + 30
-    while len(model.fake.log.of("allReduce")) < count:
+    while len(model.fake.log.work("allReduce")) < count:
         assert time.monotonic() < deadline, "the allreduces were not launched"
         time.sleep(0.001)
 
