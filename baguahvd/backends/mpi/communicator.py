@@ -3,6 +3,8 @@
 Tensors are handed to MPI as zero-copy NumPy views. Reductions of float16/bfloat16 (which
 MPI cannot add) are carried out in float32 and rounded once at the end; byte-moving
 collectives (allgather, broadcast, alltoall) send raw bytes, so they work for every dtype.
+Large allreduces run as a ring of point-to-point exchanges (:mod:`.ring`), which is faster
+than Open MPI's own algorithms at those sizes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from mpi4py import MPI
 
 from baguahvd.backends.base import Communicator
+from baguahvd.backends.mpi import ring
 from baguahvd.backends.nccl import NCCLCommunicator
 from baguahvd.common.ops import ReduceOp
 
@@ -73,9 +76,18 @@ class MPICommunicator(Communicator):
         mpi_op = _mpi_op(op)
         if tensor_out.dtype in _WIDENED:
             wide = tensor_in.float()
-            self.comm.Allreduce(MPI.IN_PLACE, _typed(wide), op=mpi_op)
+            self.allreduce(wide, wide, op)
             tensor_out.copy_(wide.view_as(tensor_out))
-        elif tensor_in is tensor_out or tensor_in.data_ptr() == tensor_out.data_ptr():
+            return
+        in_place = tensor_in is tensor_out or tensor_in.data_ptr() == tensor_out.data_ptr()
+        nbytes = tensor_out.numel() * tensor_out.element_size()
+        if self.size > 1 and tensor_out.dtype in _MPI_TYPES and ring.takes_ring(
+            op, nbytes, in_place
+        ):
+            ring.allreduce(
+                self.comm, tensor_in.detach().reshape(-1), tensor_out.detach().reshape(-1), op
+            )
+        elif in_place:
             self.comm.Allreduce(MPI.IN_PLACE, _typed(tensor_out), op=mpi_op)
         else:
             self.comm.Allreduce(_typed(tensor_in), _typed(tensor_out), op=mpi_op)
