@@ -67,10 +67,15 @@ def _bounds(count: int, size: int) -> list[int]:
 
 def allreduce(
     comm: Any, flat_in: torch.Tensor, flat_out: torch.Tensor, op: ReduceOp,
+    scale: Callable[[torch.Tensor], None] | None = None,
     segment_bytes: int = SEGMENT_BYTES,
 ) -> None:
     """Reduces the one-dimensional contiguous ``flat_in`` of every member of the mpi4py
-    communicator ``comm`` into ``flat_out`` (which may be ``flat_in``) with ``op``."""
+    communicator ``comm`` into ``flat_out`` (which may be ``flat_in``) with ``op``.
+
+    ``scale``, an element-wise function applied in place, is applied to each piece of the
+    block this rank completes right after its last reduction, while it is in cache; the
+    allgather then hands the scaled values to the others."""
     reduce = _REDUCE[op]
     size, rank = comm.Get_size(), comm.Get_rank()
     right, left = (rank + 1) % size, (rank - 1) % size
@@ -81,6 +86,7 @@ def allreduce(
     in_place = flat_in.data_ptr() == flat_out.data_ptr()
     widest = min(segment, max(block.numel() for block in outs))
     scratch = flat_out.new_empty(widest) if in_place else None
+    last = size - 2
     for step in range(size - 1):
         sent, received = (rank - step) % size, (rank - step - 1) % size
         source = ins[sent] if step == 0 else outs[sent]
@@ -92,6 +98,8 @@ def allreduce(
                 source[start:start + segment].numpy(), right, _TAG, buffer.numpy(), left, _TAG
             )
             reduce(buffer, own[start:start + segment], out=part)
+            if scale is not None and step == last:
+                scale(part)
     for step in range(size - 1):
         sent, received = (rank + 1 - step) % size, (rank - step) % size
         comm.Sendrecv(outs[sent].numpy(), right, _TAG, outs[received].numpy(), left, _TAG)
