@@ -121,7 +121,8 @@ def install_byte_counter() -> None:
         return tensor_out.numel() * tensor_out.element_size()
 
     formulas: dict[str, Callable[..., float]] = {
-        "allreduce": allreduce, "iallreduce": allreduce, "allgather": allgather,
+        "allreduce": allreduce, "allreduce_scaled": allreduce, "iallreduce": allreduce,
+        "allgather": allgather,
         "broadcast": broadcast, "alltoall": alltoall, "reduce_scatter": reduce_scatter,
         "sendrecv": sendrecv,
     }

@@ -49,6 +49,22 @@ class Communicator(abc.ABC):
         ``tensor_in`` may be ``tensor_out`` for an in-place reduction.
         """
 
+    def allreduce_scaled(
+        self,
+        tensor_in: torch.Tensor,
+        tensor_out: torch.Tensor,
+        op: ReduceOp,
+        scale: Callable[[torch.Tensor], None],
+    ) -> None:
+        """:meth:`allreduce`, then ``scale`` applied in place to the result.
+
+        ``scale`` must act element by element: an implementation may apply it to parts of
+        the result, each part once, on the rank that completes that part and before the
+        others receive it (the MPI ring scales the block it owns while it is in cache).
+        """
+        self.allreduce(tensor_in, tensor_out, op)
+        scale(tensor_out)
+
     @abc.abstractmethod
     def allgather(
         self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, counts: Sequence[int]

@@ -193,8 +193,7 @@ def allreduce(
         tensor_in, tensor_out = inputs[0], outputs[0]
         source = scaled(tensor_in, pre) if pre != 1.0 else tensor_in
         phase("COMMUNICATE")
-        comm.allreduce(source, tensor_out, op)
-        scale_(tensor_out, post)
+        _reduce_scaled(comm, source, tensor_out, op, post)
         return
     phase("MEMCPY_IN_FUSION_BUFFER")
     shapes = tuple(shape for entry in entries for shape in entry[0].shapes)
@@ -204,10 +203,19 @@ def allreduce(
     _copy_all(views, inputs)
     scale_(buffer, pre)
     phase("COMMUNICATE")
-    comm.allreduce(buffer, buffer, op)
+    _reduce_scaled(comm, buffer, buffer, op, post)
     phase("MEMCPY_OUT_FUSION_BUFFER")
-    scale_(buffer, post)
     _copy_all(outputs, views)
+
+
+def _reduce_scaled(
+    comm: Communicator, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp,
+    post: float,
+) -> None:
+    if post == 1.0:
+        comm.allreduce(tensor_in, tensor_out, op)
+    else:
+        comm.allreduce_scaled(tensor_in, tensor_out, op, lambda part: scale_(part, post))
 
 
 def _no_phase(activity: str) -> None:

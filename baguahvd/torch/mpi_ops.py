@@ -22,6 +22,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import torch
 
+from baguahvd.backends import memory
 from baguahvd.common import capabilities
 from baguahvd.common.exceptions import (
     DuplicateNameError,
@@ -418,7 +419,7 @@ def allreduce_async(
     """Starts an out-of-place allreduce; see :func:`allreduce`. Returns a handle."""
     tensor = _check_tensor(tensor, _REDUCIBLE, "allreduce")
     # Contiguous already, so preserving its format gives a contiguous output.
-    output = torch.empty_like(tensor)
+    output = memory.empty_like(tensor)
     handle = _allreduce_submit(
         [tensor], [output], "allreduce", average, name, op, prescale_factor,
         postscale_factor, process_set,
@@ -548,7 +549,7 @@ def grouped_allreduce_async(
     """Starts an out-of-place allreduce of a list of tensors as one unit; see
     :func:`grouped_allreduce`."""
     tensors = _check_group(tensors, _REDUCIBLE, "grouped_allreduce")
-    outputs = [torch.empty_like(t) for t in tensors]
+    outputs = [memory.empty_like(t) for t in tensors]
     handle = _allreduce_submit(
         tensors, outputs, "grouped_allreduce", average, name, op, prescale_factor,
         postscale_factor, process_set,

@@ -258,6 +258,29 @@ def test_out_of_place_allreduce_leaves_input_unchanged(rank: int, size: int) -> 
     assert out.data_ptr() != pointer and out_async.data_ptr() != pointer
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(
+    ("dtype", "count"),
+    [(torch.float32, (1 << 18) + 5), (torch.int64, (1 << 17) + 3),
+     (torch.bfloat16, (1 << 18) + 1), (torch.float32, (8 << 20) + 7)],
+    ids=str,
+)
+def test_large_allreduce(dtype: torch.dtype, count: int, variant: str, rank: int,
+                         size: int) -> None:
+    """Sizes that the MPI data plane reduces in its own ring (1 MB and more out of place,
+    32 MB and more in place), with block sizes that do not divide evenly."""
+    inputs = [contribution(r, (count,), dtype) for r in range(size)]
+    ops = ("Sum", "Max") if count > 1 << 20 else tuple(OPS)
+    for op_name in ops:
+        op = OPS[op_name]
+        out = run_variant(variant, inputs[rank].clone(), op=op,
+                          name=f"large.{variant}.{dtype}.{count}.{op_name}")
+        assert_matches(out, expected_allreduce(inputs, op))
+    out = run_variant(variant, inputs[rank].clone(), op=hvd.Average, prescale_factor=0.5,
+                      postscale_factor=3.0, name=f"large.scaled.{variant}.{dtype}.{count}")
+    assert_matches(out, expected_allreduce(inputs, hvd.Average, 0.5, 3.0))
+
+
 # ---------------------------------------------------------------------------------------
 # Grouped allreduce
 
