@@ -22,14 +22,21 @@ several ranks but the chosen transport found a job of one, :func:`check_joined` 
 from __future__ import annotations
 
 import enum
+import os
+from collections.abc import Sequence
 from typing import Any
 
+from baguahvd.backends.base import ControlPlane
 from baguahvd.common.config import Launch
 
 
 class Transport(enum.Enum):
     MPI = "mpi"
+    """MPI for everything."""
     GLOO = "gloo"
+    """gloo for everything (no MPI)."""
+    MPI_GLOO = "mpi+gloo"
+    """MPI launches, meets and negotiates; CPU collectives run on gloo."""
 
 
 def choose(cpu_backend: str, launch: Launch, comm: Any) -> Transport:
@@ -44,15 +51,7 @@ def choose(cpu_backend: str, launch: Launch, comm: Any) -> Transport:
     if cpu_backend == "mpi":
         return Transport.MPI
     if cpu_backend == "gloo":
-        if launch.launcher == "mpi" and comm is None:
-            raise ValueError(
-                "BAGUAHVD_CPU_BACKEND (or HOROVOD_CPU_OPERATIONS/HOROVOD_CONTROLLER) asks for "
-                f"gloo, but an MPI launcher started this process ({', '.join(launch.variables)}"
-                "), which gives gloo no place for the ranks to meet: each would train alone. "
-                "Leave the variable unset (or set it to mpi) under mpirun, or launch with "
-                "baguahvdrun --gloo, horovodrun --gloo or torchrun."
-            )
-        return Transport.GLOO
+        return Transport.MPI_GLOO if launch.launcher == "mpi" else Transport.GLOO
     if comm is None and launch.launcher in ("torchrun", "horovodrun-gloo"):
         return Transport.GLOO
     return Transport.MPI
@@ -72,3 +71,57 @@ def check_joined(launch: Launch, transport: Transport, size: int) -> None:
             "train by itself. Leave BAGUAHVD_CPU_BACKEND unset (or set it to gloo) for "
             "torchrun and horovodrun --gloo launches, or start the job with mpirun."
         )
+
+
+FAST_FABRIC_CLASSES = ("/sys/class/infiniband", "/sys/class/cxi")
+"""Where Linux lists RDMA devices (InfiniBand, RoCE, iWARP, Omni-Path, AWS EFA) and HPE
+Slingshot's: a host with one of these may carry MPI over something faster than TCP."""
+
+_TCP_OR_LOCAL_BTLS = frozenset(("tcp", "self", "vader", "sm", "smcuda"))
+
+
+def fast_fabric_devices(classes: Sequence[str] = FAST_FABRIC_CLASSES) -> list[str]:
+    """The RDMA (or Slingshot) devices of this host, by name."""
+    found: list[str] = []
+    for path in classes:
+        try:
+            found += sorted(os.listdir(path))
+        except OSError:
+            continue
+    return found
+
+
+def mpi_is_tcp_only(devices: Sequence[str], components: Sequence[tuple[str, str]]) -> bool:
+    """Whether MPI's traffic between hosts goes over TCP.
+
+    Args:
+        devices: :func:`fast_fabric_devices` of this host.
+        components: :attr:`Launch.mpi_components`, Open MPI's ``--mca`` choices.
+
+    True when mpirun restricted Open MPI to the TCP BTL (``--mca btl tcp,self``, with the
+    ob1 PML or none named), or else when the host has no RDMA device and no fabric PML/MTL
+    (``ucx``, ``cm``, an ``mtl``) was asked for.
+    """
+    chosen = dict(components)
+    btls = {part.strip() for part in chosen.get("btl", "").split(",") if part.strip()}
+    if btls and not btls - _TCP_OR_LOCAL_BTLS and "^" not in chosen.get("btl", ""):
+        if chosen.get("pml", "ob1") == "ob1":
+            return True
+    if chosen.get("pml") in ("ucx", "cm") or chosen.get("mtl"):
+        return False
+    return not devices
+
+
+def auto_transport(spans_hosts: bool, launch: Launch, control: ControlPlane) -> Transport:
+    """``BAGUAHVD_CPU_BACKEND=auto`` in an MPI job: gloo's data plane when the job spans
+    hosts and MPI's transport is TCP on every host, MPI otherwise (see the module
+    docstring for the measurements).
+
+    Collective over ``control`` when the job spans hosts: every rank answers the TCP
+    question for its own host and all must agree.
+    """
+    if not spans_hosts:
+        return Transport.MPI
+    tcp_only = mpi_is_tcp_only(fast_fabric_devices(), launch.mpi_components)
+    answers = control.allgather_ints([int(tcp_only)])
+    return Transport.MPI_GLOO if all(a[0] for a in answers) else Transport.MPI
