@@ -5,7 +5,9 @@ same in its ``HorovodGlobalState``); the public functions are its bound methods.
 
 ``init()`` runs the engine on MPI or on gloo, as the launcher that started the process
 implies (:mod:`~baguahvd.runtime.transport`): MPI under mpirun, gloo under torchrun,
-``baguahvdrun --gloo`` and ``horovodrun --gloo``. Nothing above the runtime knows which.
+``baguahvdrun --gloo`` and ``horovodrun --gloo``; an MPI job may move its CPU collectives
+to gloo (across hosts over TCP, or BAGUAHVD_CPU_BACKEND=gloo). Nothing above the runtime
+knows which.
 """
 
 from __future__ import annotations

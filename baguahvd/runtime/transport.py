@@ -1,19 +1,37 @@
-"""Which transport ``init()`` uses for CPU tensors and negotiation: MPI or gloo.
+"""Which transport ``init()`` uses for CPU tensors and negotiation: MPI, gloo, or both.
 
-The launcher decides (:class:`~baguahvd.common.config.Launch`): under mpirun (or srun
---mpi=pmix, MPICH) MPI; started by torchrun, ``baguahvdrun --gloo`` or ``horovodrun
---gloo``, gloo. BAGUAHVD_CPU_BACKEND (or Horovod's HOROVOD_CPU_OPERATIONS /
-HOROVOD_CONTROLLER) forces one, except gloo under an MPI launcher: mpirun gives gloo no
-place to meet, so each rank would train alone; that is an error. A process that no launcher
-started runs MPI as a job of one, as Horovod does.
+The launcher decides where the ranks meet (:class:`~baguahvd.common.config.Launch`): under
+mpirun (or srun --mpi=pmix, MPICH) MPI; started by torchrun, ``baguahvdrun --gloo`` or
+``horovodrun --gloo``, gloo. A process that no launcher started runs MPI as a job of one, as
+Horovod does. In an MPI job the CPU collectives (the data plane: the allreduce of the
+gradients) may still run on gloo, beside MPI's negotiation (``Transport.MPI_GLOO``,
+:mod:`~baguahvd.backends.gloo.split`): rank 0 opens a TCP store and sends its address to
+the others over MPI.
 
-Why ``auto`` keeps MPI under mpirun: measured on shared memory (two ranks on one host),
-``hvd.allreduce`` over MPI took 0.23-0.26 ms at 16 KB, 0.37-0.81 ms at 1 MB and 7-21 ms at
-16 MB against 3.3-5.0 ms, 3.1-5.3 ms and 23-24 ms over gloo; gloo was ahead only for a single
-64 MB tensor (109-125 ms against 129-141 ms), and 256 fused 16 KB tensors took 7-13 ms over
-MPI against 17-19 ms (``benchmarks/cpu_backend.py``; README, "CPU transport"). Over TCP
-between hosts no measurement of the two under baguahvd exists yet, so the launcher's
-choice stands there too.
+BAGUAHVD_CPU_BACKEND (or Horovod's HOROVOD_CPU_OPERATIONS / HOROVOD_CONTROLLER):
+
+- ``mpi``: MPI for everything;
+- ``gloo``: gloo for everything, or, under an MPI launcher, gloo's data plane beside MPI;
+- ``auto`` (default): the launcher's transport, and in an MPI job gloo's data plane when
+  the job spans more than one host (a node does not hold every rank) and MPI's transport
+  is TCP on every host (:func:`mpi_is_tcp_only`: mpirun restricted Open MPI to its TCP BTL,
+  or the host has no RDMA or Slingshot device and no fabric PML/MTL was named). The choice
+  is logged once by rank 0 (HOROVOD_LOG_LEVEL=info).
+
+Why, measured with ``benchmarks/algorithms.py`` (SGD-momentum MLP, 33.6 MB of fp32
+gradients, batch 64, two ranks, slowest rank's median step; README, "CPU transport"):
+
+- one host (shared memory): MPI. ``hvd.allreduce`` over MPI took 0.23-0.26 ms at 16 KB,
+  0.37-0.81 ms at 1 MB and 7-21 ms at 16 MB against 3.3-5.0 ms, 3.1-5.3 ms and 23-24 ms over
+  gloo (``benchmarks/cpu_backend.py``); the default path's step 0.062 s against 0.090 s.
+- two hosts over TCP (``benchmarks/emulated_cluster.sh``, Open MPI with btl_tcp_flags
+  send): gloo. The default path's step at 100 Mbit/s took 3.01 s over MPI against 2.84 s
+  over gloo (DDP 2.89 s), at 1 Gbit/s 0.331 s on both (DDP 0.322 s); MPI's blocking
+  collectives busy-poll, 2.84 CPU-seconds per step and rank at 100 Mbit/s against gloo's
+  0.12, which on small nodes takes the cores that backward needs. Compressed traffic is
+  the exception: bytegrad's alltoall/allgather steps took 0.80 s over MPI against 0.95 s
+  over gloo at 100 Mbit/s (0.16 against 0.18 s at 1 Gbit/s); the full-precision default
+  path decided.
 
 A job must never train alone by mistake: when the launcher's variables say there are
 several ranks but the chosen transport found a job of one, :func:`check_joined` raises.
