@@ -598,6 +598,10 @@ def report(argv: Sequence[str]) -> None:
     loaded.sort(key=lambda item: (os.path.dirname(item[0]), -parse_rate(item[1]["link"])
                                   if item[1].get("link") else float("-inf")))
     parts = []
+    emulated = [result for _, result in loaded if result.get("link")]
+    if len(emulated) > 1:
+        parts += ["### Step time per setting (s; slowest rank's median)\n",
+                  summary_table(emulated), ""]
     for _, result in loaded:
         parts.append(f"### {result['setting']}\n")
         parts.append(markdown_table(result))
@@ -624,6 +628,33 @@ def report(argv: Sequence[str]) -> None:
             if result.get("link"):
                 groups.setdefault(os.path.dirname(os.path.abspath(path)), []).append(result)
         plot(groups, args.png)
+
+
+def summary_table(results: list[dict[str, Any]]) -> str:
+    """One row per system, one column per emulated setting (fastest link first)."""
+    results = sorted(results, key=lambda r: -parse_rate(r["link"]))
+    names = list(dict.fromkeys(row["algorithm"] for r in results for row in r["rows"]))
+    header = ["system", *(r["link"] for r in results)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name in names:
+        cells = [f"`{name}`"]
+        for r in results:
+            row = next((x for x in r["rows"] if x["algorithm"] == name), None)
+            if row is None:
+                cells.append("–")
+                continue
+            cell = f"{row['step_s']:.3f}"
+            plane = "gloo" if split_spec(name)[0] == "ddp" else row.get("data_plane", "mpi")
+            cell += f" ({plane}"
+            if row.get("chosen"):
+                cell += f", chose {', '.join(row['chosen'])}"
+            cells.append(cell + ")")
+        lines.append("| " + " | ".join(cells) + " |")
+    loads = [x for r in results for x in (r["load_average_before"][0],
+                                            r["load_average_after"][0])]
+    lines.append(f"\nIn brackets: the CPU data plane. Load average of the machine "
+                 f"{min(loads):.1f}-{max(loads):.1f} on {results[0]['cores']} cores.")
+    return "\n".join(lines)
 
 
 def plot(groups: dict[str, list[dict[str, Any]]], path: str) -> None:
