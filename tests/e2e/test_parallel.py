@@ -22,7 +22,7 @@ joined before the others)."""
 SPLIT_DATA_PLANE = (
     "test_allreduce.py", "test_allgather_broadcast.py", "test_alltoall_reducescatter.py",
     "test_process_sets.py", "test_algo_centralized.py", "test_algo_async.py",
-    "test_lifecycle.py", "test_data_plane.py",
+    "test_algo_adasum.py", "test_lifecycle.py", "test_data_plane.py",
 )
 """Modules also run with BAGUAHVD_CPU_BACKEND=gloo: MPI negotiates, gloo moves the CPU
 tensors (the data plane auto picks between hosts over TCP), at -np 2."""
