@@ -23,7 +23,8 @@ gradients, batch 64, two ranks, slowest rank's median step; README, "CPU transpo
 
 - one host (shared memory): MPI. ``hvd.allreduce`` over MPI took 0.23-0.26 ms at 16 KB,
   0.37-0.81 ms at 1 MB and 7-21 ms at 16 MB against 3.3-5.0 ms, 3.1-5.3 ms and 23-24 ms over
-  gloo (``benchmarks/cpu_backend.py``); the default path's step 0.062 s against 0.090 s.
+  gloo (``benchmarks/cpu_backend.py``); the default path's step 0.063 s against 0.085 s
+  (DDP 0.073 s).
 - two hosts over TCP (``benchmarks/emulated_cluster.sh``, Open MPI with btl_tcp_flags
   send): gloo. The default path's step at 100 Mbit/s took 3.01 s over MPI against 2.84 s
   over gloo (DDP 2.89 s), at 1 Gbit/s 0.331 s on both (DDP 0.322 s); MPI's blocking
