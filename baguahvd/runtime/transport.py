@@ -29,10 +29,10 @@ gradients, batch 64, two ranks, slowest rank's median step; README, "CPU transpo
   send): gloo. The default path's step at 100 Mbit/s took 3.01 s over MPI against 2.84 s
   over gloo (DDP 2.89 s), at 1 Gbit/s 0.331 s on both (DDP 0.322 s); MPI's blocking
   collectives busy-poll, 2.84 CPU-seconds per step and rank at 100 Mbit/s against gloo's
-  0.12, which on small nodes takes the cores that backward needs. Compressed traffic is
-  the exception: bytegrad's alltoall/allgather steps took 0.80 s over MPI against 0.95 s
-  over gloo at 100 Mbit/s (0.16 against 0.18 s at 1 Gbit/s); the full-precision default
-  path decided.
+  0.12, which on small nodes takes the cores that backward needs. gloo's pairwise
+  exchanges are the exception (sendrecv and alltoall ran at half the link rate), so they
+  stay on MPI even then (:class:`~baguahvd.backends.gloo.split.TwinnedCommunicator`); with
+  that, bytegrad's step took 0.84 s against 0.96 s over MPI alone.
 
 A job must never train alone by mistake: when the launcher's variables say there are
 several ranks but the chosen transport found a job of one, :func:`check_joined` raises.
