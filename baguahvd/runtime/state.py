@@ -179,10 +179,19 @@ class Runtime:
             transport = auto_transport(spans_hosts, launch, control)
         device_comms: DeviceCommFactory = mpi.nccl_communicator
         self._split_world = None
+        store = None
         if transport is Transport.MPI_GLOO:
-            store = gloo.connect_store_over(
-                control, launch.interface, config.gloo_timeout_s, spans_hosts
-            )
+            try:
+                store = gloo.connect_store_over(
+                    control, launch.interface, config.gloo_timeout_s, spans_hosts
+                )
+            except ValueError as error:
+                if config.cpu_backend != "auto":
+                    raise
+                if topology.rank == 0:
+                    logger.warning("CPU collectives stay on MPI: %s", error)
+                transport = Transport.MPI
+        if store is not None:
             group_timeout_s = config.peer_timeout_s or 7 * 24 * 3600.0
             self._split_world = gloo.GlooWorld(
                 store, topology.rank, topology.size, group_timeout_s + 60, launch.interface

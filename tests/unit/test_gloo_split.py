@@ -46,6 +46,13 @@ def test_a_loopback_store_across_hosts_fails_on_every_rank() -> None:
         split.connect_store_over(other, None, 5.0, spans_hosts=True)  # type: ignore[arg-type]
 
 
+def test_an_interface_without_address_fails_on_every_rank() -> None:
+    root = _Control(0)
+    with pytest.raises(ValueError, match="no-such-if0"):
+        split.connect_store_over(root, "no-such-if0", 5.0, spans_hosts=False)  # type: ignore[arg-type]
+    assert root.sent[0][0] == "error" and "no-such-if0" in root.sent[0][1]
+
+
 def test_one_host_meets_on_loopback() -> None:
     root = _Control(0)
     store = split.connect_store_over(root, "lo", 5.0, spans_hosts=False)  # type: ignore[arg-type]

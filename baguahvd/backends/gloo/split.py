@@ -77,22 +77,24 @@ def connect_store_over(
     Collective over every rank of ``control``.
 
     Raises:
-        ValueError: on rank 0, when the job spans hosts but this host's name resolves to a
-            loopback address, which the other hosts cannot reach (every rank raises: the
-            reason is broadcast).
+        ValueError: rank 0 has no address for the others: ``interface`` has none, or the
+            job spans hosts and this host's name resolves to a loopback address. Every rank
+            raises (rank 0 broadcasts the reason), so all can fall back alike.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     if control.rank == 0:
-        host = store_address(interface)
-        problem = None
-        if spans_hosts and _is_loopback(host):
-            problem = (
-                f"this host's name resolves to {host}, which the other hosts cannot reach, "
-                "so gloo's data plane has no address to meet at; set HOROVOD_GLOO_IFACE to "
-                "the network interface between the hosts, or BAGUAHVD_CPU_BACKEND=mpi"
-            )
-            control.broadcast(("error", problem))
-            raise ValueError(problem)
+        try:
+            host = store_address(interface)
+            if spans_hosts and _is_loopback(host):
+                raise ValueError(
+                    f"this host's name resolves to {host}, which the other hosts cannot "
+                    "reach, so gloo's data plane has no address to meet at; set "
+                    "HOROVOD_GLOO_IFACE to the network interface between the hosts, or "
+                    "BAGUAHVD_CPU_BACKEND=mpi"
+                )
+        except ValueError as error:
+            control.broadcast(("error", str(error)))
+            raise
         store = dist.TCPStore("0.0.0.0", 0, None, True, timeout, wait_for_workers=False)
         control.broadcast(("address", f"{host}:{store.port}"))
         return store
