@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import socket
 import statistics
@@ -58,9 +59,13 @@ from typing import Any
 
 MODEL_DIMS = (1024, 2048, 2048, 1024, 10)
 DEFAULT_ALGORITHMS = (
-    "local", "horovod", "ddp", "gradient_allreduce", "bytegrad", "decentralized",
-    "low_precision_decentralized", "async", "qadam", "adasum",
+    "local", "horovod", "horovod@mpi", "horovod@gloo", "ddp", "gradient_allreduce",
+    "gradient_allreduce@mpi", "bytegrad", "bytegrad@mpi", "decentralized",
+    "low_precision_decentralized", "async", "qadam", "adasum", "auto",
 )
+DATA_PLANES = ("mpi", "gloo")
+"""``<row>@mpi`` / ``<row>@gloo``: that row with BAGUAHVD_CPU_BACKEND forced (the row
+without a suffix runs baguahvd's default, ``auto``)."""
 try:  # optional reference: real Horovod, when installed
     import horovod.torch as real_horovod  # type: ignore[import-not-found]
 except Exception:  # noqa: BLE001 - any import failure means "not available"
@@ -89,12 +94,14 @@ COUNTER = ByteCounter()
 
 
 def install_byte_counter() -> None:
-    """Wraps the collectives of baguahvd's MPI communicator (engine and async loop)."""
+    """Wraps the collectives of baguahvd's MPI and gloo communicators (engine and async
+    loop)."""
     import torch
 
+    from baguahvd.backends import gloo as gloo_backend
     from baguahvd.backends import mpi as backend
 
-    cls = backend.MPICommunicator
+    classes = (backend.MPICommunicator, gloo_backend.GlooCommunicator)
 
     def wire_bytes(t: torch.Tensor) -> int:
         # float16/bfloat16 reductions travel as float32 (see the backend's docstring).
@@ -126,15 +133,18 @@ def install_byte_counter() -> None:
         "broadcast": broadcast, "alltoall": alltoall, "reduce_scatter": reduce_scatter,
         "sendrecv": sendrecv,
     }
-    for name, formula in formulas.items():
-        original = getattr(cls, name)
+    for cls in classes:
+        for name, formula in formulas.items():
+            if cls is gloo_backend.GlooCommunicator and name == "reduce_scatter":
+                continue  # an allreduce underneath, counted there
+            original = getattr(cls, name)
 
-        def wrapped(self: Any, *args: Any, _original: Any = original,
-                    _formula: Callable[..., float] = formula, **kwargs: Any) -> Any:
-            COUNTER.add(_formula(self, *args, **kwargs))
-            return _original(self, *args, **kwargs)
+            def wrapped(self: Any, *args: Any, _original: Any = original,
+                        _formula: Callable[..., float] = formula, **kwargs: Any) -> Any:
+                COUNTER.add(_formula(self, *args, **kwargs))
+                return _original(self, *args, **kwargs)
 
-        setattr(cls, name, wrapped)
+            setattr(cls, name, wrapped)
 
 
 def tx_bytes() -> int | None:
@@ -161,16 +171,32 @@ def build_model() -> Any:
     return torch.nn.Sequential(*layers)
 
 
-def describe(spec: str, qadam_warmup: int) -> str:
-    name, _, variant = spec.partition(":")
+def split_spec(spec: str) -> tuple[str, str, str]:
+    """``name[:flat][@plane]`` -> (name, variant, data plane or "")."""
+    rest, _, plane = spec.partition("@")
+    name, _, variant = rest.partition(":")
+    return name, variant, plane
+
+
+def describe(spec: str, qadam_warmup: int, optimizer: str = "sgd") -> str:
+    text = _describe(spec, qadam_warmup, optimizer)
+    plane = split_spec(spec)[2]
+    if plane:
+        text += f"; BAGUAHVD_CPU_BACKEND={plane}"
+    return text
+
+
+def _describe(spec: str, qadam_warmup: int, optimizer: str) -> str:
+    name, variant, _ = split_spec(spec)
+    opt = "SGD (momentum 0.9)" if optimizer == "sgd" else "Adam"
     if name == "local":
-        return "plain Adam, no DistributedOptimizer: compute only, no communication"
+        return f"plain {opt}, no DistributedOptimizer: compute only, no communication"
     if name == "horovod":
         return "DistributedOptimizer(opt) (Horovod's allreduce path, algorithm=None)"
     if name == "horovod_real":
         return "horovod.torch.DistributedOptimizer(opt) (Horovod itself)"
     if name == "ddp":
-        return "torch.nn.parallel.DistributedDataParallel over gloo (PyTorch's own), plain Adam"
+        return f"torch.nn.parallel.DistributedDataParallel over gloo (PyTorch's own), {opt}"
     if name == "adasum":
         return "DistributedOptimizer(opt, op=hvd.Adasum)"
     if name == "qadam":
@@ -182,6 +208,8 @@ def describe(spec: str, qadam_warmup: int) -> str:
         return f'algorithm="{name}" (Bagua defaults: hierarchical=True)'
     if name == "async":
         return 'algorithm="async" (sync_interval_ms=500, warmup_steps=0)'
+    if name == "auto":
+        return 'algorithm="auto" (measures the link, picks among the synchronous ones)'
     return f'algorithm="{name}"'
 
 
@@ -190,7 +218,7 @@ def make_optimizer(spec: str, model: Any, hvd: Any, args: argparse.Namespace) ->
 
     from baguahvd import algorithms as alg
 
-    name, _, variant = spec.partition(":")
+    name, variant, _ = split_spec(spec)
     flat = variant == "flat"
     named = list(model.named_parameters())
     if name == "qadam":
@@ -198,7 +226,11 @@ def make_optimizer(spec: str, model: Any, hvd: Any, args: argparse.Namespace) ->
                                    warmup_steps=args.qadam_warmup)
         return hvd.DistributedOptimizer(qadam, named_parameters=named,
                                         algorithm=alg.QAdamAlgorithm(hierarchical=not flat))
-    base = torch.optim.Adam(model.parameters(), lr=args.lr)
+    base: torch.optim.Optimizer
+    if args.optimizer == "sgd":
+        base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    else:
+        base = torch.optim.Adam(model.parameters(), lr=args.lr)
     if name in ("local", "ddp"):
         return base
     if name == "horovod":
@@ -224,8 +256,9 @@ def run_one(spec: str, hvd: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Warmup, timed steps; this rank's step times and byte counts."""
     import torch
 
+    name = split_spec(spec)[0]
     model = build_model()
-    if spec == "ddp":
+    if name == "ddp":
         # PyTorch's own data parallelism: gradient buckets allreduced by gloo during backward.
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = make_optimizer(spec, model, hvd, args)
@@ -248,7 +281,7 @@ def run_one(spec: str, hvd: Any, args: argparse.Namespace) -> dict[str, Any]:
     tx0, counted0 = tx_bytes(), COUNTER.sent
     window0, cpu0 = time.perf_counter(), time.process_time()
     times: list[float] = []
-    is_async = spec.partition(":")[0] == "async"
+    is_async = name == "async"
     while len(times) < args.steps or (
         is_async and time.perf_counter() - window0 < args.async_seconds
     ):
@@ -257,6 +290,7 @@ def run_one(spec: str, hvd: Any, args: argparse.Namespace) -> dict[str, Any]:
     cpu = time.process_time() - cpu0
     tx1, counted1 = tx_bytes(), COUNTER.sent
     rounds = None if rounds0 is None else getattr(impl, "rounds", 0) - rounds0
+    choice = getattr(impl, "choice", None)
     steps = len(times)
     if is_async and impl is not None:
         impl.abort()  # collective: every rank stops averaging before the next algorithm
@@ -269,10 +303,32 @@ def run_one(spec: str, hvd: Any, args: argparse.Namespace) -> dict[str, Any]:
         "window_s": window,
         "cpu_per_step": cpu / steps,
         # gloo's traffic passes none of baguahvd's backends: the interface counters only.
-        "counted_per_step": None if spec == "ddp" else (counted1 - counted0) / steps,
+        "counted_per_step": None if name == "ddp" else (counted1 - counted0) / steps,
         "tx_per_step": None if tx0 is None or tx1 is None else (tx1 - tx0) / steps,
         "async_rounds": rounds,
+        "chosen": None if choice is None else choice.name,
+        "data_plane": data_plane(),
     }
+
+
+def data_plane() -> str:
+    """What baguahvd's CPU collectives run on now: ``mpi`` or ``gloo``."""
+    from baguahvd.runtime.state import runtime
+
+    transport = runtime.transport
+    return "mpi" if transport is None or transport.value == "mpi" else "gloo"
+
+
+def use_data_plane(hvd: Any, plane: str) -> None:
+    """Restarts baguahvd with BAGUAHVD_CPU_BACKEND=``plane`` (``""``: the default) when it
+    runs with another setting (collective: every rank calls it for the same row)."""
+    wanted = plane or "auto"
+    if os.environ.get("BAGUAHVD_CPU_BACKEND", "auto") == wanted and hvd.is_initialized():
+        return
+    if hvd.is_initialized():
+        hvd.shutdown()
+    os.environ["BAGUAHVD_CPU_BACKEND"] = wanted
+    hvd.init()
 
 
 # -- driver ---------------------------------------------------------------------------------
@@ -290,15 +346,19 @@ def human_bytes(value: float | None) -> str:
 
 def markdown_table(result: dict[str, Any]) -> str:
     measured = any(row["tx_per_step"] is not None for row in result["rows"])
-    header = ["algorithm", "step time (s)", "speed-up vs gradient_allreduce",
+    header = ["algorithm", "CPU data plane", "step time (s)", "speed-up vs gradient_allreduce",
               "speed-up vs Horovod path", "CPU s/step/rank", "bytes/step/rank (algorithmic)"]
     if measured:
         header.append("bytes/step/rank (measured tx)")
     header.append("timed steps")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in result["rows"]:
+        name = f"`{row['algorithm']}`"
+        if row.get("chosen"):
+            name += f" (chose {', '.join(row['chosen'])})"
         cells = [
-            f"`{row['algorithm']}`",
+            name,
+            "gloo" if split_spec(row["algorithm"])[0] == "ddp" else row.get("data_plane", "mpi"),
             f"{row['step_s']:.3f}",
             f"{row['speedup_vs_allreduce']:.2f}x" if row["speedup_vs_allreduce"] else "–",
             f"{row['speedup_vs_horovod']:.2f}x" if row["speedup_vs_horovod"] else "–",
@@ -315,36 +375,57 @@ def markdown_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-TARGETS = (("bytegrad", 3.0), ("qadam", 3.0), ("async", 5.0))
-"""Speed-ups over gradient_allreduce the project aims at on slow (100 Mbit/s) links."""
+SYNCHRONOUS = ("gradient_allreduce", "bytegrad")
+"""What ``auto`` chooses among with SGD (qadam too with Adam): its target's reference."""
 
 
 def target_lines(result: dict[str, Any]) -> list[str]:
     """Whether the step-time targets hold in ``result`` (emulated runs only)."""
-    floor = result.get("ring_floor_s")
-    if not floor:
+    if not result.get("link"):
         return []
+    floor = result.get("ring_floor_s")
     rows = {row["algorithm"]: row for row in result["rows"]}
     lines = []
-    for name, goal in TARGETS:
+
+    def step(name: str) -> float | None:
         row = rows.get(name)
-        if row is None or row["speedup_vs_allreduce"] is None:
-            continue
-        got = row["speedup_vs_allreduce"]
-        verdict = "met" if got >= goal else "not met"
-        lines.append(f"- `{name}` >= {goal:g}x faster than `gradient_allreduce`: "
-                     f"{got:.2f}x, {verdict}")
-    allreduce = rows.get("gradient_allreduce")
-    if allreduce is not None:
-        ratio = allreduce["step_s"] / floor
-        verdict = "met" if ratio <= 1.10 else "not met"
-        line = (f"- `gradient_allreduce` within 10 % of the ring allreduce floor "
-                f"({floor:.2f} s): {allreduce['step_s']:.2f} s = {ratio:.2f}x the floor, "
-                f"{verdict}")
-        local = rows.get("local")
+        return None if row is None else float(row["step_s"])
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "not met"
+
+    default, ddp = step("horovod"), step("ddp")
+    if default is not None and ddp is not None:
+        lines.append(f"- default path (`horovod`) <= DDP: {default:.3f} s against "
+                     f"{ddp:.3f} s = {default / ddp:.2f}x, {verdict(default <= ddp)}")
+    real = step("horovod_real")
+    if default is not None:
+        if real is None:
+            lines.append("- default path <= 0.8x Horovod: Horovod is not installed here")
+        else:
+            lines.append(f"- default path <= 0.8x Horovod: {default / real:.2f}x, "
+                         f"{verdict(default <= 0.8 * real)}")
+    auto = step("auto")
+    best = [(step(name), name) for name in SYNCHRONOUS if step(name) is not None]
+    if auto is not None and best:
+        fastest, name = min(best)  # type: ignore[type-var]
+        assert fastest is not None
+        lines.append(f"- `auto` within 1.1x of the best synchronous algorithm (`{name}`, "
+                     f"{fastest:.3f} s): {auto:.3f} s = {auto / fastest:.2f}x, chose "
+                     f"{', '.join(rows['auto'].get('chosen') or ['?'])}, "
+                     f"{verdict(auto <= 1.1 * fastest)}")
+    bytegrad = step("bytegrad")
+    if bytegrad is not None and ddp is not None:
+        lines.append(f"- `bytegrad` >= 3x faster than DDP (set for 100 Mbit/s): "
+                     f"{ddp / bytegrad:.2f}x, {verdict(ddp / bytegrad >= 3)}")
+    allreduce = step("gradient_allreduce")
+    if allreduce is not None and floor:
+        line = (f"- `gradient_allreduce` against the ring allreduce floor ({floor:.2f} s): "
+                f"{allreduce / floor:.2f}x the floor")
+        local = step("local")
         if local is not None:
-            line += (f" (step minus the `local` compute-only step: "
-                     f"{(allreduce['step_s'] - local['step_s']) / floor:.2f}x the floor)")
+            line += (f" (minus the `local` compute-only step: "
+                     f"{(allreduce - local) / floor:.2f}x)")
         lines.append(line)
     return lines
 
@@ -365,11 +446,13 @@ def summarize(spec: str, rounds: list[list[dict[str, Any]]],
     async_rounds = [r[0]["async_rounds"] for r in rounds]
     return {
         "algorithm": spec,
-        "description": describe(spec, args.qadam_warmup),
+        "description": describe(spec, args.qadam_warmup, args.optimizer),
+        "data_plane": rounds[0][0].get("data_plane", "mpi"),
+        "chosen": sorted({r[0]["chosen"] for r in rounds if r[0].get("chosen")}) or None,
         "step_s": max(medians),
         "rank_medians_s": medians,
         "steps": min(steps),
-        "counted_per_step": None if spec == "ddp" else statistics.fmean(
+        "counted_per_step": None if split_spec(spec)[0] == "ddp" else statistics.fmean(
             per_step("counted_per_step", k) or 0.0 for k in ranks),
         "cpu_per_step": statistics.fmean(per_step("cpu_per_step", k) or 0.0 for k in ranks),
         "tx_per_step": None if None in tx else statistics.fmean(
@@ -387,6 +470,8 @@ def bench(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     install_byte_counter()
+    # Rows without an @plane suffix run with what the caller set (baguahvd's default: auto).
+    default_plane = os.environ.get("BAGUAHVD_CPU_BACKEND", "")
     hvd.init()
     comm = MPI.COMM_WORLD
     rank, size = hvd.rank(), hvd.size()
@@ -399,8 +484,11 @@ def bench(args: argparse.Namespace) -> None:
     if flat:
         specs += [f"{name}:flat" for name in HIERARCHICAL if name in args.algorithms]
     link = os.environ.get("EMU_LINK_RATE")
+    per_flow = os.environ.get("EMU_PER_FLOW") == "1"
     setting = f"emulated cluster, links {link}" if link else (
         "one machine" if one_host else f"{len(set(hosts))} hosts")
+    if link and per_flow:
+        setting = f"emulated cluster, {link} per TCP connection"
     params = sum(p.numel() for p in build_model().parameters())
     if rank == 0:
         print(f"{setting}: {size} ranks on hosts {', '.join(sorted(set(hosts)))}; MLP "
@@ -422,6 +510,7 @@ def bench(args: argparse.Namespace) -> None:
         order = specs if round_index % 2 == 0 else specs[::-1]
         for spec in order:
             comm.Barrier()
+            use_data_plane(hvd, split_spec(spec)[2] or default_plane)
             mine = run_one(spec, hvd, args)
             gc.collect()  # the previous model, optimizer state and buffers
             everyone = comm.gather(mine, root=0)
@@ -467,15 +556,17 @@ def bench(args: argparse.Namespace) -> None:
     print(markdown_table(result))
     print(f"\nload average (1 min) of the machine: {load_before[0]:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after, on {os.cpu_count()} cores")
-    if link:
+    if link and link != "unshaped":
         floor = 2 * (size - 1) / size * params * 4 * 8 / parse_rate(link)
         result["ring_floor_s"] = floor
         print(f"\nring allreduce floor at {link}: {floor:.2f} s "
               f"(2(n-1)/n x {params * 4 / 1e6:.1f} MB at the link rate)")
-        print("\n".join(target_lines(result)))
+    print("\n".join(target_lines(result)))
     if args.json_dir:
         os.makedirs(args.json_dir, exist_ok=True)
         label = link or ("one_machine" if one_host else "cluster")
+        if link and per_flow:
+            label += "_per_flow"
         path = os.path.join(args.json_dir, f"algorithms_{label}.json")
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
@@ -486,6 +577,8 @@ def parse_rate(text: str) -> float:
     """bits/s of a tc rate such as 100mbit or 1gbit."""
     units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
     lowered = text.lower()
+    if lowered == "unshaped":
+        return math.inf
     for suffix, factor in units.items():
         if lowered.endswith(suffix):
             return float(lowered[: -len(suffix)]) * factor
@@ -506,6 +599,10 @@ def report(argv: Sequence[str]) -> None:
     loaded.sort(key=lambda item: (os.path.dirname(item[0]), -parse_rate(item[1]["link"])
                                   if item[1].get("link") else float("-inf")))
     parts = []
+    emulated = [result for _, result in loaded if result.get("link")]
+    if len(emulated) > 1:
+        parts += ["### Step time per setting (s; slowest rank's median)\n",
+                  summary_table(emulated), ""]
     for _, result in loaded:
         parts.append(f"### {result['setting']}\n")
         parts.append(markdown_table(result))
@@ -516,9 +613,9 @@ def report(argv: Sequence[str]) -> None:
                          f"{result['load_average_after'][0]:.1f} after.")
         targets = target_lines(result)
         if targets:
-            at_100 = parse_rate(result["link"]) == 100e6
-            parts.append("\nTargets (set for 100 Mbit/s links):\n" if at_100 else
-                         "\nThe 100 Mbit/s targets, checked at this rate for comparison:\n")
+            at_100 = parse_rate(result["link"]) == 100e6 if result.get("link") else False
+            parts.append("\nTargets:\n" if at_100 else
+                         "\nTargets (bytegrad's is set for 100 Mbit/s):\n")
             parts.extend(targets)
         parts.append("")
     text = "\n".join(parts)
@@ -532,6 +629,33 @@ def report(argv: Sequence[str]) -> None:
             if result.get("link"):
                 groups.setdefault(os.path.dirname(os.path.abspath(path)), []).append(result)
         plot(groups, args.png)
+
+
+def summary_table(results: list[dict[str, Any]]) -> str:
+    """One row per system, one column per emulated setting (fastest link first)."""
+    results = sorted(results, key=lambda r: -parse_rate(r["link"]))
+    names = list(dict.fromkeys(row["algorithm"] for r in results for row in r["rows"]))
+    header = ["system", *(r["link"] for r in results)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name in names:
+        cells = [f"`{name}`"]
+        for r in results:
+            row = next((x for x in r["rows"] if x["algorithm"] == name), None)
+            if row is None:
+                cells.append("–")
+                continue
+            cell = f"{row['step_s']:.3f}"
+            plane = "gloo" if split_spec(name)[0] == "ddp" else row.get("data_plane", "mpi")
+            cell += f" ({plane}"
+            if row.get("chosen"):
+                cell += f", chose {', '.join(row['chosen'])}"
+            cells.append(cell + ")")
+        lines.append("| " + " | ".join(cells) + " |")
+    loads = [x for r in results for x in (r["load_average_before"][0],
+                                            r["load_average_after"][0])]
+    lines.append(f"\nIn brackets: the CPU data plane. Load average of the machine "
+                 f"{min(loads):.1f}-{max(loads):.1f} on {results[0]['cores']} cores.")
+    return "\n".join(lines)
 
 
 def plot(groups: dict[str, list[dict[str, Any]]], path: str) -> None:
@@ -548,7 +672,10 @@ def plot(groups: dict[str, list[dict[str, Any]]], path: str) -> None:
     for ax, (directory, results) in zip(axes[0], groups.items()):
         results = sorted(results, key=lambda r: parse_rate(r["link"]))
         first = results[0]
-        rates = [parse_rate(r["link"]) / 1e6 for r in results]
+        # "unshaped" (veth at memory speed) is drawn one decade right of the fastest rate.
+        shaped = [parse_rate(r["link"]) / 1e6 for r in results if r["link"] != "unshaped"]
+        rates = [parse_rate(r["link"]) / 1e6 if r["link"] != "unshaped"
+                 else 10 * max(shaped or [1000.0]) for r in results]
         names = [row["algorithm"] for row in first["rows"]]
         for i, name in enumerate(names):
             ys = []
@@ -556,16 +683,18 @@ def plot(groups: dict[str, list[dict[str, Any]]], path: str) -> None:
                 row = next((x for x in r["rows"] if x["algorithm"] == name), None)
                 ys.append(row["step_s"] if row else float("nan"))
             label = "local (compute only)" if name == "local" else name
-            ax.plot(rates, ys, marker=markers[i % len(markers)], label=label,
-                    linestyle="--" if name == "local" else "-")
+            style = "--" if name == "local" else ":" if "@" in name else "-"
+            ax.plot(rates, ys, marker=markers[i % len(markers)], label=label, linestyle=style)
         floors = [float(r.get("ring_floor_s") or "nan") for r in results]
-        if all(f == f for f in floors):
+        if any(f == f for f in floors):
             ax.plot(rates, floors, color="black", linestyle=":", label="ring allreduce floor")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks(rates)
-        ax.set_xticklabels([f"{r:g} Mbit/s" if r < 1000 else f"{r / 1000:g} Gbit/s"
-                            for r in rates])
+        ax.set_xticklabels([
+            "unshaped" if r["link"] == "unshaped" else
+            f"{x:g} Mbit/s" if x < 1000 else f"{x / 1000:g} Gbit/s"
+            for x, r in zip(rates, results)])
         ax.minorticks_off()
         loads = [x for r in results for x in (r["load_average_before"][0],
                                                 r["load_average_after"][0])]
@@ -611,7 +740,10 @@ def main() -> None:
                              "passed, so that averaging rounds fall in the window")
     parser.add_argument("--qadam-warmup", type=int, default=None,
                         help="QAdamOptimizer warmup_steps (default: --warmup - 1)")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                        help="sgd: SGD with momentum 0.9; adam: Adam (qadam always runs "
+                             "QAdamOptimizer)")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--json-dir", default=None, help="save the results here as JSON")

@@ -34,12 +34,22 @@
 # therefore passes --mca btl_tcp_flags send (plain send/receive), with which MPI_Allreduce
 # of 33.6 MB takes 2.8-3.15 s at 100 Mbit/s against a 2.69 s floor; --no-tcp-tuning drops it.
 #
-# The ranks see EMU_LINK_RATE (the current rate) and EMU_NET_IF (eth0, the host's link,
-# whose /sys/class/net/eth0/statistics/tx_bytes counts what the host sent).
+# The ranks see EMU_LINK_RATE (the current rate), EMU_PER_FLOW (1 with --per-flow) and
+# EMU_NET_IF (eth0, the host's link, whose /sys/class/net/eth0/statistics/tx_bytes counts
+# what the host sent).
 #
 # Options:
 #   --rate RATE     tbf rate (tc syntax: 1gbit, 100mbit, ...); repeat for several runs.
 #                   "unshaped" runs without a qdisc (veth at memory speed).
+#   --per-flow      RATE limits each TCP connection instead of each link (the cloud-style
+#                   per-flow limit under which several connections per peer can help):
+#                   every host sends through htb with 512 classes of RATE, a TCP packet's
+#                   class picked by u32 hashing of its ephemeral port (the low byte of the
+#                   destination port for packets from a listening port, 50000-50015, else
+#                   of the source port); the bridge ports are left unshaped. Open MPI's TCP
+#                   BTL is told to listen there (btl_tcp_port_min_v4 50000, range 16).
+#                   Flows whose ports share a low byte share a class. (sch_fq, whose
+#                   "fq maxrate" would pace each flow exactly, is missing from this kernel.)
 #   --hosts N       emulated hosts, one rank each (default 2).
 #   --subnet A.B.C  /24 prefix of the bridge subnet (default 10.77.0; private range only).
 #   --prefix NAME   namespace names are NAME0, NAME1, ... and NAMEctl (default h).
@@ -67,6 +77,7 @@ PREFIX=h
 KEEP=0
 CLEANUP_ONLY=0
 TCP_TUNING=1
+PER_FLOW=0
 MPIRUN_EXTRA=()
 
 usage() { sed -n '2,/^set -euo/p' "$0" | sed -e '/^set -euo/d' -e 's/^# \{0,1\}//'; }
@@ -85,6 +96,7 @@ while [ $# -gt 0 ]; do
         --mpirun-arg=*) MPIRUN_EXTRA+=("${1#*=}"); shift ;;
         --keep) KEEP=1; shift ;;
         --no-tcp-tuning) TCP_TUNING=0; shift ;;
+        --per-flow) PER_FLOW=1; shift ;;
         --cleanup-only) CLEANUP_ONLY=1; shift ;;
         -h|--help) usage; exit 0 ;;
         --) shift; break ;;
@@ -196,11 +208,36 @@ for ns in "${NAMES[@]}" "$CTL"; do
     cp "$HOSTS_FILE" "/etc/netns/$ns/hosts"
 done
 
+per_flow() {  # per_flow NS RATE: htb + u32 per-connection classes on NS's eth0 (see --per-flow)
+    local ns="$1" rate="$2" n batch
+    batch="$WORKDIR/tc_$ns"
+    {
+        echo "qdisc replace dev eth0 root handle 1: htb default 1"
+        echo "class add dev eth0 parent 1: classid 1:1 htb rate 10gbit"
+        echo "filter add dev eth0 parent 1: prio 1 handle 2: protocol ip u32 divisor 256"
+        echo "filter add dev eth0 parent 1: prio 1 handle 3: protocol ip u32 divisor 256"
+        for ((n = 0; n < 256; n++)); do
+            printf 'class add dev eth0 parent 1: classid 1:%x htb rate %s\n' $((0x1000 + n)) "$rate"
+            printf 'class add dev eth0 parent 1: classid 1:%x htb rate %s\n' $((0x2000 + n)) "$rate"
+            printf 'filter add dev eth0 parent 1: prio 1 protocol ip u32 ht 2:%x: match u32 0 0 flowid 1:%x\n' $n $((0x1000 + n))
+            printf 'filter add dev eth0 parent 1: prio 1 protocol ip u32 ht 3:%x: match u32 0 0 flowid 1:%x\n' $n $((0x2000 + n))
+        done
+        # From a listening port (50000-50015): hash the peer's port (destination), else ours.
+        echo "filter add dev eth0 parent 1: prio 1 protocol ip u32 ht 800:: match ip protocol 6 0xff match ip sport 50000 0xfff0 hashkey mask 0x000000ff at 20 link 2:"
+        echo "filter add dev eth0 parent 1: prio 1 protocol ip u32 ht 800:: match ip protocol 6 0xff hashkey mask 0x00ff0000 at 20 link 3:"
+    } >"$batch"
+    ip netns exec "$ns" tc qdisc del dev eth0 root 2>/dev/null || true
+    ip netns exec "$ns" tc -batch "$batch"
+}
+
 shape() {  # shape RATE: tbf on both ends of every link, or none for "unshaped"
     local rate="$1"
     for ((i = 0; i < HOSTS; i++)); do
         if [ "$rate" = unshaped ]; then
             ip netns exec "${NAMES[$i]}" tc qdisc del dev eth0 root 2>/dev/null || true
+            ip netns exec "$CTL" tc qdisc del dev "p$i" root 2>/dev/null || true
+        elif [ "$PER_FLOW" = 1 ]; then
+            per_flow "${NAMES[$i]}" "$rate"
             ip netns exec "$CTL" tc qdisc del dev "p$i" root 2>/dev/null || true
         else
             ip netns exec "${NAMES[$i]}" tc qdisc replace dev eth0 root tbf \
@@ -243,7 +280,9 @@ fi
 status=0
 for rate in "${RATES[@]}"; do
     shape "$rate"
-    echo "=== emulated cluster: ${HOSTS} hosts (${NAMES[*]}), links ${rate} ===" >&2
+    label="links ${rate}"
+    [ "$PER_FLOW" = 1 ] && label="${rate} per TCP connection"
+    echo "=== emulated cluster: ${HOSTS} hosts (${NAMES[*]}), ${label} ===" >&2
     # mpirun itself runs in hctl (on the bridge, no rank there) under a host name of its own.
     MPIRUN=(mpirun --allow-run-as-root
             --host "$HOSTLIST" -np "$HOSTS"
@@ -252,11 +291,12 @@ for rate in "${RATES[@]}"; do
             --mca btl_tcp_if_include "$SUBNET.0/24"
             --prtemca oob_tcp_if_include "$SUBNET.0/24"
             --bind-to none
-            -x EMU_LINK_RATE -x EMU_NET_IF -x PATH -x PYTHONPATH
+            -x EMU_LINK_RATE -x EMU_PER_FLOW -x EMU_NET_IF -x PATH -x PYTHONPATH
             "${MPIRUN_EXTRA[@]}")
     [ "$TCP_TUNING" = 1 ] && MPIRUN+=(--mca btl_tcp_flags send)
+    [ "$PER_FLOW" = 1 ] && MPIRUN+=(--mca btl_tcp_port_min_v4 50000 --mca btl_tcp_port_range_v4 16)
     # In the background and waited for, so that a signal reaches the trap at once.
-    EMU_LINK_RATE="$rate" EMU_NET_IF=eth0 PYTHONPATH="${PYTHONPATH:-}" \
+    EMU_LINK_RATE="$rate" EMU_PER_FLOW="$PER_FLOW" EMU_NET_IF=eth0 PYTHONPATH="${PYTHONPATH:-}" \
         ip netns exec "$CTL" unshare --uts sh -c 'hostname "$0"; exec "$@"' "$CTL" \
         "${MPIRUN[@]}" "$@" &
     CHILD=$!

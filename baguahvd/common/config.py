@@ -218,10 +218,13 @@ class Config:
     """Accepted for Horovod compatibility (HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE, 0..1); the
     search is a deterministic grid with local refinement, which has no noise model."""
     cpu_backend: str = "auto"
-    """Transport of CPU tensors and negotiation: ``mpi``, ``gloo`` or ``auto``
-    (BAGUAHVD_CPU_BACKEND; else Horovod's HOROVOD_CPU_OPERATIONS or HOROVOD_CONTROLLER,
-    which ``horovodrun --gloo`` sets to ``gloo``). ``auto`` takes gloo when torchrun or
-    ``horovodrun --gloo`` started the process, MPI otherwise."""
+    """Transport of CPU tensors: ``mpi``, ``gloo`` or ``auto`` (BAGUAHVD_CPU_BACKEND; else
+    Horovod's HOROVOD_CPU_OPERATIONS or HOROVOD_CONTROLLER, which ``horovodrun --gloo`` sets
+    to ``gloo``). ``auto`` takes gloo when torchrun or ``horovodrun --gloo`` started the
+    process; under an MPI launcher it keeps MPI for rendezvous and negotiation and runs the
+    CPU collectives on gloo when the job spans hosts and MPI's transport is TCP, on MPI
+    otherwise. ``gloo`` under an MPI launcher means that split; ``mpi`` means MPI for
+    everything (see :mod:`baguahvd.runtime.transport`)."""
     gloo_timeout_s: float = 30.0
     """Seconds the gloo rendezvous waits for the other ranks (HOROVOD_GLOO_TIMEOUT_SECONDS)."""
 
@@ -378,6 +381,7 @@ def launcher_rank(env: Mapping[str, str] | None = None) -> int | None:
 _MPI_LAUNCH = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE")
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
              "MASTER_PORT")
+_MPI_COMPONENTS = ("pml", "btl", "mtl")
 _HOROVOD_GLOO = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
                  "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
                  "HOROVOD_GLOO_RENDEZVOUS_PORT")
@@ -415,6 +419,9 @@ class Launch:
     """horovodrun --gloo: HOROVOD_GLOO_RENDEZVOUS_PORT."""
     interface: str | None = None
     """The network interface gloo uses (HOROVOD_GLOO_IFACE); ``None``: torch's choice."""
+    mpi_components: tuple[tuple[str, str], ...] = ()
+    """Open MPI's transport components as mpirun's ``--mca`` set them for the ranks
+    (``OMPI_MCA_pml``, ``OMPI_MCA_btl``, ``OMPI_MCA_mtl``), as (name, value) pairs."""
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -440,7 +447,13 @@ def launch_from_env(env: Mapping[str, str] | None = None) -> Launch:
 
     interface = env.get("HOROVOD_GLOO_IFACE", "").strip() or None
     if found(_MPI_LAUNCH):
-        return Launch("mpi", found(_MPI_LAUNCH), interface=interface)
+        components = tuple(
+            (name, env[f"OMPI_MCA_{name}"].strip())
+            for name in _MPI_COMPONENTS
+            if env.get(f"OMPI_MCA_{name}", "").strip()
+        )
+        return Launch("mpi", found(_MPI_LAUNCH), interface=interface,
+                      mpi_components=components)
     if found(("HOROVOD_RANK", "HOROVOD_SIZE")):
         size = _int(env, "HOROVOD_SIZE", 1)
         return Launch(

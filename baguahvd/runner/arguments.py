@@ -235,6 +235,13 @@ def _add_library_arguments(parser: argparse.ArgumentParser) -> None:
         help="only TCP: mpirun -mca pml ob1 -mca btl tcp,self, and NCCL_IB_DISABLE=1",
     )
     library.add_argument(
+        "--open-mpi-tcp-defaults",
+        action="store_true",
+        help="keep Open MPI 5's TCP protocol for large messages (emulated RDMA put); by "
+        "default a launch across hosts passes -mca btl_tcp_flags send, plain send/receive, "
+        "which ran at the link rate where put ran at half of it",
+    )
+    library.add_argument(
         "--binding-args",
         metavar="ARGS",
         help='mpirun binding arguments instead of "--bind-to none --map-by slot"',

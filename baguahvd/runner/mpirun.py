@@ -43,6 +43,7 @@ from baguahvd.runner.options import (
     mpirun_options,
     rank_variables,
     start_timeout,
+    tcp_protocol_options,
 )
 
 FORWARDED_PREFIXES = ("BAGUAHVD_", "HOROVOD_")
@@ -325,6 +326,10 @@ def build_command(
         else:
             command += ["--output-filename", args.output_filename]
     command += mpirun_options(args, env, open_mpi_major)
+    # Names of this machine count as one host; a remote host alone still talks over TCP.
+    machines = {"" if is_local(host.name) else host.name for host in hosts}
+    spans_hosts = len(machines) > 1 or "" not in machines
+    command += tcp_protocol_options(args, env, open_mpi_major, spans_hosts, _mpi_args(args))
     forwarded = sorted(
         name for name in out_env if name.startswith(FORWARDED_PREFIXES) or name in FORWARDED_NAMES
     )

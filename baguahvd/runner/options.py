@@ -15,6 +15,8 @@ launcher's environment):
   bounds the start of the ranks. Open MPI 5 (PRRTE) spells the launcher's settings
   differently from Open MPI 4, hence the version argument; ``None`` (unknown) takes the
   Open MPI 4 spelling.
+- :func:`tcp_protocol_options` passes ``-mca btl_tcp_flags send`` to Open MPI 5 across
+  hosts (``--open-mpi-tcp-defaults`` turns it off).
 - :func:`launch_notes` lists the one-line notes for options that have no effect here.
 - :func:`check_options` rejects values ``horovodrun`` rejects (negative sizes and times, a
   noise outside [0, 1]) and values Open MPI could not pass on (a key path with blanks).
@@ -239,6 +241,34 @@ def mpirun_options(
     if timeout is not None and prrte:
         options += ["--spawn-timeout", str(timeout)]
     return options
+
+
+def tcp_protocol_options(
+    args: argparse.Namespace,
+    env: Mapping[str, str],
+    open_mpi_major: int | None,
+    spans_hosts: bool,
+    mpi_args: list[str],
+) -> list[str]:
+    """``-mca btl_tcp_flags send`` when Open MPI 5 launches across hosts.
+
+    Open MPI 5's TCP BTL moves large messages with an emulated RDMA "put" by default; on
+    the emulated 2-host cluster (benchmarks/emulated_cluster.sh) that ran at half the
+    link rate from the second message on, and plain send/receive at the link rate
+    (benchmarks/README.md). The setting only touches the TCP BTL, so it is harmless where
+    MPI takes another transport. Left out with ``--open-mpi-tcp-defaults``, on one host
+    (shared memory), with an unknown or older Open MPI, and when the user chose
+    ``btl_tcp_flags`` already (``--mpi-args`` or ``OMPI_MCA_btl_tcp_flags``).
+    """
+    if args.open_mpi_tcp_defaults or not spans_hosts:
+        return []
+    if open_mpi_major is None or open_mpi_major < 5:
+        return []
+    if env.get("OMPI_MCA_btl_tcp_flags", "").strip() or any(
+        "btl_tcp_flags" in word for word in mpi_args
+    ):
+        return []
+    return ["-mca", "btl_tcp_flags", "send"]
 
 
 def launch_notes(

@@ -5,7 +5,9 @@ same in its ``HorovodGlobalState``); the public functions are its bound methods.
 
 ``init()`` runs the engine on MPI or on gloo, as the launcher that started the process
 implies (:mod:`~baguahvd.runtime.transport`): MPI under mpirun, gloo under torchrun,
-``baguahvdrun --gloo`` and ``horovodrun --gloo``. Nothing above the runtime knows which.
+``baguahvdrun --gloo`` and ``horovodrun --gloo``; an MPI job may move its CPU collectives
+to gloo (across hosts over TCP, or BAGUAHVD_CPU_BACKEND=gloo). Nothing above the runtime
+knows which.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
 from baguahvd.backends import gloo
+from baguahvd.backends.base import Communicator, ControlPlane, DeviceCommFactory
 from baguahvd.common import capabilities, logging_setup
 from baguahvd.common.config import Config, Launch, launch_from_env
 from baguahvd.common.exceptions import (
@@ -32,7 +35,7 @@ from baguahvd.engine.messages import OpType
 from baguahvd.engine.notices import describe_exception
 from baguahvd.runtime.handles import HandleTable
 from baguahvd.runtime.process_sets import ProcessSet, check_ranks, global_process_set
-from baguahvd.runtime.transport import Transport, check_joined, choose
+from baguahvd.runtime.transport import Transport, auto_transport, check_joined, choose
 
 if TYPE_CHECKING:
     from baguahvd.backends.mpi import MPICommunicator
@@ -62,6 +65,8 @@ class Runtime:
         # The gloo job's store, reached at the first init() and kept for later ones (rank 0
         # may host it: a second one could not listen on the same port).
         self._gloo_store: Any = None
+        # An MPI job's gloo data plane (BAGUAHVD_CPU_BACKEND), where it has one.
+        self._split_world: Any = None
         self._shutdown_callbacks: list[Callable[[], None]] = []
         self._stopped_engine: Engine | None = None
         self._previous_excepthook: Callable[..., Any] | None = None
@@ -119,7 +124,9 @@ class Runtime:
             base, topology, engine, resolved = self._connect_gloo(config, launch, comm,
                                                                   process_sets)
         else:
-            base, topology, engine, resolved = self._connect_mpi(config, comm, process_sets)
+            base, topology, engine, resolved, transport = self._connect_mpi(
+                config, launch, transport, comm, process_sets
+            )
         check_joined(launch, transport, topology.size)
         for process_set, ranks in zip(process_sets, resolved):
             process_set.ranks = ranks
@@ -135,8 +142,13 @@ class Runtime:
         engine.start()
 
     def _connect_mpi(
-        self, config: Config, comm: Any, process_sets: list[ProcessSet]
-    ) -> tuple[Any, Any, Engine, list[list[int]]]:
+        self,
+        config: Config,
+        launch: Launch,
+        transport: Transport,
+        comm: Any,
+        process_sets: list[ProcessSet],
+    ) -> tuple[Any, Any, Engine, list[list[int]], Transport]:
         # backends.mpi is imported here, not at the top: importing it starts MPI, which
         # must wait until prepare_mpi has chosen the thread level, and must not happen on
         # a mere ``import baguahvd.torch`` or in a gloo job.
@@ -161,7 +173,39 @@ class Runtime:
             base = mpi.communicator_from_ranks(ranks)
         topology = mpi.Topology(base)
         logging_setup.configure(topology.rank, config.log_level, config.log_hide_time)
-        engine = Engine(config, mpi.MPIControlPlane(base), mpi.nccl_communicator)
+        control: ControlPlane = mpi.MPIControlPlane(base)
+        spans_hosts = topology.local_size < topology.size
+        if config.cpu_backend == "auto":
+            transport = auto_transport(spans_hosts, launch, control)
+        device_comms: DeviceCommFactory = mpi.nccl_communicator
+        self._split_world = None
+        store = None
+        if transport is Transport.MPI_GLOO:
+            try:
+                store = gloo.connect_store_over(
+                    control, launch.interface, config.gloo_timeout_s, spans_hosts
+                )
+            except ValueError as error:
+                if config.cpu_backend != "auto":
+                    raise
+                if topology.rank == 0:
+                    logger.warning("CPU collectives stay on MPI: %s", error)
+                transport = Transport.MPI
+        if store is not None:
+            group_timeout_s = config.peer_timeout_s or 7 * 24 * 3600.0
+            self._split_world = gloo.GlooWorld(
+                store, topology.rank, topology.size, group_timeout_s + 60, launch.interface
+            )
+            control = gloo.SplitControlPlane(control, self._split_world)
+
+            def device_comms(comm: Communicator) -> Communicator:
+                return mpi.nccl_communicator(gloo.twin_of(comm))
+
+        if topology.rank == 0 and transport is not Transport.MPI:
+            logger.info("CPU collectives run on gloo, negotiation on MPI (%s)",
+                        "BAGUAHVD_CPU_BACKEND=gloo" if config.cpu_backend == "gloo"
+                        else "auto: the job spans hosts and MPI's transport is TCP")
+        engine = Engine(config, control, device_comms)
         resolved: list[list[int]] = []
         for process_set in process_sets:
             if process_set.mpi_comm is not None:
@@ -174,7 +218,7 @@ class Runtime:
                 ranks = list(process_set.ranks or ())
             _check_new(ranks, topology.size, resolved, process_set)
             resolved.append(sorted(ranks))
-        return base, topology, engine, resolved
+        return base, topology, engine, resolved, transport
 
     def _connect_gloo(
         self, config: Config, launch: Launch, comm: Any, process_sets: list[ProcessSet]
@@ -235,7 +279,7 @@ class Runtime:
             self._shut_down = True
             self._stopped_engine = engine
         engine.shutdown(failure)
-        if self.transport is Transport.GLOO:
+        if self.transport in (Transport.GLOO, Transport.MPI_GLOO):
             # gloo's groups own threads that must be joined before the interpreter ends;
             # left to exit, their destruction races with it and may abort the process.
             engine.release()
@@ -315,6 +359,9 @@ class Runtime:
         if self.transport is Transport.GLOO:
             private: Any = self._base_comm.new_communicator(ranks)
             return cast("MPICommunicator | None", private)
+        if self._split_world is not None:
+            private = self._split_world.new_communicator(ranks)
+            return cast("MPICommunicator | None", private)
         from baguahvd.backends import mpi
 
         return mpi.new_communicator(self._base_comm, ranks)
@@ -375,13 +422,15 @@ class Runtime:
 
     def gloo_enabled(self) -> bool:
         """Whether this job runs on gloo (it was started by torchrun, baguahvdrun --gloo or
-        horovodrun --gloo, or BAGUAHVD_CPU_BACKEND=gloo); False before ``init()``."""
+        horovodrun --gloo, or BAGUAHVD_CPU_BACKEND=gloo without mpirun); False before
+        ``init()``, and in an MPI job whose CPU collectives run on gloo (MPI negotiates)."""
         return self.transport is Transport.GLOO
 
     def mpi_enabled(self) -> bool:
-        """Whether this job runs on MPI; before ``init()``, whether MPI is available."""
+        """Whether this job runs on MPI (negotiation; its CPU collectives may run on gloo);
+        before ``init()``, whether MPI is available."""
         if self.transport is not None:
-            return self.transport is Transport.MPI
+            return self.transport is not Transport.GLOO
         return capabilities.mpi_built()
 
     # -- process sets ----------------------------------------------------------------------

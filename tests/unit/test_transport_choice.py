@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from baguahvd.common.config import Config, Launch, launch_from_env
-from baguahvd.runtime.transport import Transport, check_joined, choose
+from baguahvd.runtime import transport
+from baguahvd.runtime.transport import (
+    Transport,
+    auto_transport,
+    check_joined,
+    choose,
+    fast_fabric_devices,
+    mpi_is_tcp_only,
+)
 
 TORCHRUN = {
     "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
@@ -60,10 +70,83 @@ def test_alone_and_forced_choices() -> None:
     assert choose("auto", launch_from_env(TORCHRUN), [0, 1]) is Transport.MPI
 
 
-def test_gloo_forced_under_mpirun_is_refused_not_run_alone() -> None:
+def test_gloo_forced_under_mpirun_runs_gloo_beside_mpi() -> None:
     launch = launch_from_env({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"})
-    with pytest.raises(ValueError, match=r"asks for gloo.*OMPI_COMM_WORLD_SIZE.*alone"):
-        choose("gloo", launch, None)
+    assert choose("gloo", launch, None) is Transport.MPI_GLOO
+    assert choose("gloo", launch, [0, 1]) is Transport.MPI_GLOO
+    assert choose("mpi", launch, None) is Transport.MPI
+    # auto is settled after MPI has started (auto_transport), from MPI.
+    assert choose("auto", launch, None) is Transport.MPI
+
+
+def test_mpi_components_come_from_mpirun_mca_settings() -> None:
+    launch = launch_from_env({
+        "OMPI_COMM_WORLD_SIZE": "2", "OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "tcp,self",
+        "OMPI_MCA_btl_tcp_flags": "send",
+    })
+    assert launch.mpi_components == (("pml", "ob1"), ("btl", "tcp,self"))
+    assert launch_from_env({"OMPI_COMM_WORLD_SIZE": "2"}).mpi_components == ()
+
+
+@pytest.mark.parametrize(
+    ("devices", "components", "tcp"),
+    [
+        ([], (), True),
+        (["mlx5_0"], (), False),
+        (["efa_0"], (), False),
+        # mpirun restricted MPI to TCP: the RDMA device is not used.
+        (["mlx5_0"], (("pml", "ob1"), ("btl", "tcp,self")), True),
+        (["mlx5_0"], (("btl", "self,vader,tcp"),), True),
+        # ... unless it is only excluded from a list that still has others.
+        (["mlx5_0"], (("btl", "^openib"),), False),
+        # A fabric PML or MTL asked for by name.
+        ([], (("pml", "ucx"),), False),
+        ([], (("mtl", "ofi"),), False),
+        (["mlx5_0"], (("pml", "ucx"), ("btl", "tcp,self")), False),
+    ],
+)
+def test_mpi_is_tcp_only(
+    devices: list[str], components: tuple[tuple[str, str], ...], tcp: bool
+) -> None:
+    assert mpi_is_tcp_only(devices, components) is tcp
+
+
+def test_fast_fabric_devices_lists_the_device_folders(tmp_path: Path) -> None:
+    (tmp_path / "infiniband").mkdir()
+    (tmp_path / "infiniband" / "mlx5_1").mkdir()
+    (tmp_path / "infiniband" / "mlx5_0").mkdir()
+    classes = (str(tmp_path / "infiniband"), str(tmp_path / "cxi"))
+    assert fast_fabric_devices(classes) == ["mlx5_0", "mlx5_1"]
+    assert fast_fabric_devices((str(tmp_path / "cxi"),)) == []
+
+
+class _Answers:
+    """A control plane stand-in: allgather_ints answers with every rank's given value."""
+
+    def __init__(self, others: list[int]) -> None:
+        self.others = others
+        self.calls = 0
+
+    def allgather_ints(self, values: list[int]) -> list[list[int]]:
+        self.calls += 1
+        return [list(values)] + [[v] for v in self.others]
+
+
+def test_auto_takes_gloo_across_hosts_when_every_host_is_tcp_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(transport, "fast_fabric_devices", lambda: [])
+    launch = launch_from_env({"OMPI_COMM_WORLD_SIZE": "4"})
+    control = _Answers([1, 1, 1])
+    assert auto_transport(True, launch, control) is Transport.MPI_GLOO  # type: ignore[arg-type]
+    # One host with a fast fabric keeps every rank on MPI.
+    assert auto_transport(True, launch, _Answers([1, 0, 1])) is Transport.MPI  # type: ignore[arg-type]
+    # One host: shared memory, no question asked (nothing collective either).
+    alone = _Answers([])
+    assert auto_transport(False, launch, alone) is Transport.MPI  # type: ignore[arg-type]
+    assert alone.calls == 0
+    monkeypatch.setattr(transport, "fast_fabric_devices", lambda: ["mlx5_0"])
+    assert auto_transport(True, launch, _Answers([1, 1, 1])) is Transport.MPI  # type: ignore[arg-type]
 
 
 def test_cpu_backend_setting() -> None:

@@ -1,5 +1,6 @@
 """gloo through torch.distributed: data plane, control plane, topology and the job's store,
-for ranks started by torchrun, ``baguahvdrun --gloo`` or ``horovodrun --gloo`` (no MPI).
+for ranks started by torchrun, ``baguahvdrun --gloo`` or ``horovodrun --gloo`` (no MPI), and
+gloo's data plane beside MPI's control plane (:mod:`~baguahvd.backends.gloo.split`).
 
 The process groups are made on the job's store directly, never through
 ``torch.distributed.init_process_group``, so torch's default group stays the user's.
@@ -12,6 +13,12 @@ from baguahvd.backends.gloo.communicator import GlooCommunicator, PendingWork
 from baguahvd.backends.gloo.control import GlooControlPlane
 from baguahvd.backends.gloo.rendezvous import HTTPRendezvous
 from baguahvd.backends.gloo.setup import GlooWorld, connect_store
+from baguahvd.backends.gloo.split import (
+    SplitControlPlane,
+    TwinnedCommunicator,
+    connect_store_over,
+    twin_of,
+)
 from baguahvd.backends.gloo.topology import Topology
 
 __all__ = [
@@ -20,9 +27,13 @@ __all__ = [
     "GlooWorld",
     "HTTPRendezvous",
     "PendingWork",
+    "SplitControlPlane",
     "Topology",
+    "TwinnedCommunicator",
     "connect_store",
+    "connect_store_over",
     "device_communicator",
+    "twin_of",
 ]
 
 
