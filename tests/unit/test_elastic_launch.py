@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,8 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeMpirun:
     monkeypatch.setenv("FAKE_MPIRUN_STEPS", str(mpirun.steps_file))
     monkeypatch.setenv("FAKE_MPIRUN_LOG", str(mpirun.log_file))
     monkeypatch.setenv(elastic.POLL_SECONDS_ENV, "0.05")
+    # The job folders the launcher makes (and keeps after a failure) land in the test's own.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     return mpirun
 
 
