@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 
@@ -75,6 +76,8 @@ def elastic_dir() -> Iterator[str]:
     finally:
         runtime.config = previous
         hvd.barrier()
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 _ALGORITHMS: dict[str, Callable[[], hvd_algorithms.Algorithm]] = {

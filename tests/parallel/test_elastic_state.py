@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 
@@ -129,6 +130,8 @@ def elastic_dir() -> Iterator[str]:
     finally:
         runtime.config = previous
         hvd.barrier()
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
 
 
 def test_commit_persists_and_a_new_state_resumes(rank: int, elastic_dir: str) -> None:
