@@ -20,6 +20,12 @@ from baguahvd.common.ops import ReduceOp
 BFLOAT16_MIN_VERSION = 21000
 """NCCL 2.10 is the first to reduce bfloat16."""
 
+AVG_MIN_VERSION = 21000
+"""NCCL 2.10 is the first with ``ncclAvg``."""
+
+_NCCL_AVG = 4
+"""``ncclAvg`` in ``ncclRedOp_t``, for CuPy builds that do not name it."""
+
 _INSTALL_HINT = (
     "CUDA tensors need CuPy with NCCL: install baguahvd's GPU extra with "
     '`pip install "baguahvd[cuda12]"` next to a CUDA build of torch, or move the tensors to '
@@ -96,9 +102,12 @@ def dtype_table(nccl: Any) -> dict[torch.dtype, int]:
 
 
 def op_table(nccl: Any) -> dict[ReduceOp, int]:
-    """NCCL's reduction codes, by :class:`ReduceOp` (AVERAGE and ADASUM are built on SUM by
-    the engine)."""
-    return {op: int(getattr(nccl, name)) for op, name in _OP_NAMES.items()}
+    """NCCL's reduction codes, by :class:`ReduceOp`. AVERAGE is ``ncclAvg`` from NCCL 2.10 on
+    (before, the engine builds it on SUM); ADASUM is always built by the engine."""
+    table = {op: int(getattr(nccl, name)) for op, name in _OP_NAMES.items()}
+    if int(nccl.get_version()) >= AVG_MIN_VERSION:
+        table[ReduceOp.AVERAGE] = int(getattr(nccl, "NCCL_AVG", _NCCL_AVG))
+    return table
 
 
 def is_cuda(tensor: torch.Tensor) -> bool:

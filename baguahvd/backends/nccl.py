@@ -199,6 +199,13 @@ class NCCLCommunicator(Communicator):
         except KeyError:
             raise ValueError(f"The NCCL backend cannot reduce with {op.name} directly.") from None
 
+    def reduces_average(self, dtype: torch.dtype) -> bool:
+        # ncclAvg (NCCL >= 2.10) for the floating types NCCL reduces itself.
+        self._load()
+        return (
+            dtype.is_floating_point and dtype in self._dtypes and ReduceOp.AVERAGE in self._ops
+        )
+
     def _needs_widening(self, dtype: torch.dtype) -> bool:
         # bfloat16 before NCCL 2.10: reduced in float32 and rounded once at the end.
         self._load()

@@ -154,13 +154,17 @@ def test_bfloat16_needs_nccl_2_10_and_the_constant(version: int, constant: bool)
     assert torch.float16 in backend.dtype_table(nccl)
 
 
-def test_op_table(fake: FakeCupy) -> None:
-    assert backend.op_table(fake.cupy.cuda.nccl) == {
+@pytest.mark.parametrize("version", [20907, 21003])
+def test_op_table(version: int) -> None:
+    table = {
         ReduceOp.SUM: NCCL_OPS["NCCL_SUM"],
         ReduceOp.PRODUCT: NCCL_OPS["NCCL_PROD"],
         ReduceOp.MIN: NCCL_OPS["NCCL_MIN"],
         ReduceOp.MAX: NCCL_OPS["NCCL_MAX"],
     }
+    if version >= 21000:  # ncclAvg
+        table[ReduceOp.AVERAGE] = NCCL_OPS["NCCL_AVG"]
+    assert backend.op_table(FakeCupy(version=version).cupy.cuda.nccl) == table
 
 
 @pytest.mark.parametrize("dtype", [torch.int16, torch.bool, torch.complex64])
@@ -175,8 +179,14 @@ def test_unknown_dtype_is_a_type_error_naming_it(fake: FakeCupy, dtype: torch.dt
     assert "allReduce" not in fake.log.names()
 
 
-@pytest.mark.parametrize("op", [ReduceOp.AVERAGE, ReduceOp.ADASUM])
-def test_ops_built_by_the_engine_are_refused(fake: FakeCupy, op: ReduceOp) -> None:
+@pytest.mark.parametrize(
+    ("op", "version"), [(ReduceOp.AVERAGE, 20907), (ReduceOp.ADASUM, 21805)]
+)
+def test_ops_built_by_the_engine_are_refused(
+    monkeypatch: pytest.MonkeyPatch, op: ReduceOp, version: int
+) -> None:
+    FakeCupy(version=version).install(monkeypatch)
+    monkeypatch.setattr(backend, "tensor_device", lambda tensor: DEVICE)
     tensor = torch.zeros(4)
     with pytest.raises(ValueError, match=op.name):
         _comm().allreduce(tensor, tensor, op)
