@@ -3,7 +3,9 @@ tables, the backend's errors, and the stream helpers both the backend and the en
 (which device and stream a tensor is on, the mark a submission leaves on its stream).
 
 Only this module and :mod:`baguahvd.backends.nccl` import CuPy, and only when the first CUDA
-tensor arrives.
+tensor arrives. Every caller reaches these helpers through this module
+(``cuda_support.tensor_device(...)``), so that a test that replaces one here (the stream
+model, the fake CuPy's tests) replaces it for all of them.
 """
 
 from __future__ import annotations
@@ -170,24 +172,26 @@ def mark_submission(tensors: Sequence[torch.Tensor]) -> StreamMark | None:
     with cupy.cuda.Device(device.index):
         consumer = current_stream_ptr(device)
         ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(_external(cupy, consumer))
+        ready.record(external_stream(cupy, consumer))
     return StreamMark(device, consumer, ready)
 
 
-def _external(cupy: Any, ptr: int) -> Any:
+def external_stream(cupy: Any, ptr: int) -> Any:
+    """CuPy's view of the CUDA stream of handle ``ptr`` (a stream CuPy did not create)."""
     stream = cupy.cuda.Stream
     if hasattr(stream, "from_external"):
         return stream.from_external(ptr)
     return cupy.cuda.ExternalStream(ptr)
 
 
-def _ptr(tensor: torch.Tensor, offset: int = 0) -> int:
+def device_ptr(tensor: torch.Tensor, offset: int = 0) -> int:
     """The device address of element ``offset`` of a contiguous tensor."""
     assert tensor.is_contiguous(), "the engine hands NCCL contiguous buffers only"
     return int(tensor.data_ptr()) + offset * tensor.element_size()
 
 
-def _offsets(counts: Sequence[int]) -> list[int]:
+def block_offsets(counts: Sequence[int]) -> list[int]:
+    """Where each of consecutive blocks of ``counts`` elements starts."""
     offsets, total = [], 0
     for count in counts:
         offsets.append(total)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from baguahvd.backends import cuda_support
 from baguahvd.backends import nccl as backend
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine import execute
@@ -39,9 +40,9 @@ TYPE_NAMES = {
 def _install(monkeypatch: pytest.MonkeyPatch, version: int, avg: bool = True) -> FakeCupy:
     fake = FakeCupy(version=version, avg=avg)
     fake.install(monkeypatch)
-    monkeypatch.setattr(backend, "tensor_device", lambda tensor: DEVICE)
-    monkeypatch.setattr(backend, "current_stream_ptr", lambda device: 0x7070)
-    monkeypatch.setattr(backend, "set_torch_device", lambda device: None)
+    monkeypatch.setattr(cuda_support, "tensor_device", lambda tensor: DEVICE)
+    monkeypatch.setattr(cuda_support, "current_stream_ptr", lambda device: 0x7070)
+    monkeypatch.setattr(cuda_support, "set_torch_device", lambda device: None)
     return fake
 
 

@@ -64,7 +64,7 @@ def test_the_model_runs_streams_side_by_side_and_events_order_them(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = StreamModel(device=GPU)
-    model.install(monkeypatch, backend)
+    model.install(monkeypatch)
     model.main_thread()
     model.cost = lambda name: {"mm": 3.0, "add_": 1.0}.get(name, 0.0)
     compute, other = model.stream("compute"), model.stream("other")
