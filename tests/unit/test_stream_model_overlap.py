@@ -193,16 +193,18 @@ def hold_events(model: StreamModel, monkeypatch: pytest.MonkeyPatch) -> threadin
     fire = threading.Event()
     event_class = model.fake.cupy.cuda.Event
     done = event_class.done
-    warm_ups: set[int] = set()
+    # The warm-up events themselves, not their ids: a freed event's id can come back as the
+    # id of a later completion event.
+    warm_ups: list[Any] = []
     helper_run = nccl_setup._Helper.run
 
     def run(helper: nccl_setup._Helper) -> None:
         helper_run(helper)
-        warm_ups.add(id(helper.warmed))
+        warm_ups.append(helper.warmed)
 
     monkeypatch.setattr(nccl_setup._Helper, "run", run)
     monkeypatch.setattr(event_class, "done", property(
-        lambda event: (fire.is_set() or id(event) in warm_ups) and done.fget(event)
+        lambda event: (fire.is_set() or any(event is w for w in warm_ups)) and done.fget(event)
     ))
     return fire
 
