@@ -123,9 +123,10 @@ def _factors(
 ) -> tuple[ReduceOp, float, float]:
     """The op the communicator runs and the factors applied before and after it.
 
-    AVERAGE stays AVERAGE when the communicator averages ``native_average`` and no postscale
-    asks for a scaling pass anyway; otherwise it is SUM with the postscale divided by the
-    group size, one scaling pass either way. The prescale applies to the inputs in both.
+    AVERAGE stays AVERAGE when ``native_average`` (the communicator averages this dtype in
+    its reduction) and no postscale asks for a scaling pass anyway; otherwise it is SUM with
+    the postscale divided by the group size: one scaling pass after the reduction either way.
+    The prescale applies to the inputs in both cases.
     """
     op = response.reduce_op
     post = response.postscale
