@@ -311,6 +311,75 @@ BHVD_HD MinMax minmax_from_partial(float lo, float hi) {
 
 BHVD_HD float minmax_partial_lo(const MinMax& m) { return m.bad ? quiet_nan() : m.lo; }
 
+// Sixteen bytes read at once: one 128-bit load on the device (read-only path), a copy on the
+// host. p must be 16-byte aligned.
+constexpr long long kVectorBytes = 16;
+
+struct Words4 {
+  unsigned int w[4];
+};
+
+BHVD_HD Words4 load_words4(const void* p) {
+  Words4 r;
+#if defined(__CUDA_ARCH__)
+  const uint4 u = __ldg(static_cast<const uint4*>(p));
+  r.w[0] = u.x;
+  r.w[1] = u.y;
+  r.w[2] = u.z;
+  r.w[3] = u.w;
+#else
+  std::memcpy(r.w, p, sizeof r.w);
+#endif
+  return r;
+}
+
+// Pushes the elements held in 16 little-endian bytes (4 fp32 or 8 fp16/bf16 values).
+template <class T>
+BHVD_HD void minmax_push_words(MinMax& m, const Words4& v) {
+  for (int k = 0; k < 4; ++k) {
+    if constexpr (T::kBytes == 4) {
+      minmax_push(m, T::decode(v.w[k]));
+    } else {
+      minmax_push(m, T::decode(v.w[k] & 0xffffu));
+      minmax_push(m, T::decode(v.w[k] >> 16));
+    }
+  }
+}
+
+// Min/max of the share of x[begin, end) that worker `worker` of `workers` reads: the elements
+// from the first 16-byte boundary on are read 16 bytes at a time (worker w takes vectors w,
+// w + workers, ...), the scalar head before that boundary and the tail after the last whole
+// vector element by element. The workers' shares cover every element once, whatever the
+// alignment of x + begin; min and max do not depend on the order, so merging the shares
+// gives the result of a scalar scan.
+template <class T>
+BHVD_HD MinMax minmax_share(const typename T::storage* x, long long begin, long long end,
+                            long long worker, long long workers) {
+  typedef typename T::storage S;
+  constexpr long long kWidth = kVectorBytes / static_cast<long long>(sizeof(S));
+  MinMax m = minmax_empty();
+  const long long count = end > begin ? end - begin : 0;
+  const S* p = x + begin;
+  const unsigned long long address = reinterpret_cast<unsigned long long>(p);
+  long long head = static_cast<long long>((kVectorBytes - address % kVectorBytes) %
+                                          kVectorBytes) / static_cast<long long>(sizeof(S));
+  if (address % sizeof(S) != 0 || head > count) {
+    head = count;  // no element starts on a 16-byte boundary: scalar only
+  }
+  const long long vectors = (count - head) / kWidth;
+  const long long tail = head + vectors * kWidth;
+  for (long long i = worker; i < head; i += workers) {
+    minmax_push(m, T::load(p[i]));
+  }
+  for (long long k = worker; k < vectors; k += workers) {
+    minmax_push_words<T>(m, load_words4(p + head + k * kWidth));
+  }
+  for (long long i = tail + worker; i < count; i += workers) {
+    minmax_push(m, T::load(p[i]));
+  }
+  return m;
+}
+
 // The two header words (storage-dtype bits of min and max) of a chunk with `valid` elements.
 struct HeaderWords {
   unsigned int lo;

@@ -13,6 +13,10 @@
 
 namespace bhvd {
 
+// Chunks whose quantization parameters decompress_reduce keeps in shared memory (12 bytes
+// each): one per rank of any group up to this size.
+constexpr int kCachedChunks = 1024;
+
 template <class T>
 __device__ void minmax_partial_body(const typename T::storage* x, long long numel,
                                     long long chunk, int first_chunk, float* partial) {
@@ -23,12 +27,10 @@ __device__ void minmax_partial_body(const typename T::storage* x, long long nume
   const long long j = first_chunk + static_cast<long long>(blockIdx.y);
   const long long begin = j * chunk;
   const long long end = begin + chunk_valid(numel, chunk, j);
-  MinMax m = minmax_empty();
-  const long long stride = static_cast<long long>(blockDim.x) * gridDim.x;
-  for (long long i = begin + static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < end; i += stride) {
-    minmax_push(m, T::load(x[i]));
-  }
+  // 16-byte loads from the chunk's first 16-byte boundary on (see minmax_share).
+  const MinMax m = minmax_share<T>(
+      x, begin, end, static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x,
+      static_cast<long long>(blockDim.x) * gridDim.x);
 
   const int t = threadIdx.x;
   s_lo[t] = m.lo;
@@ -95,12 +97,26 @@ __device__ void compress_body(const typename T::storage* x, long long numel, lon
   }
 }
 
+// The quantization parameters of one chunk's slot, read from its header and derived by one
+// thread of the block, shared with the others. Decoding keeps the division by the scale: a
+// multiplication by its reciprocal rounds differently (about a quarter of the codes decode
+// one ulp apart), and the torch implementation is the oracle bit for bit.
+template <class T>
+__device__ QuantParams block_slot_params(const unsigned char* slot) {
+  __shared__ QuantParams s_params;
+  if (threadIdx.x == 0) {
+    s_params = slot_params<T>(slot);
+  }
+  __syncthreads();
+  return s_params;
+}
+
 template <class T>
 __device__ void decompress_body(const unsigned char* buf, long long numel, long long chunk,
                                 long long slot, typename T::storage* out) {
   const long long j = blockIdx.y;
   const unsigned char* s = buf + j * slot;
-  const QuantParams p = slot_params<T>(s);
+  const QuantParams p = block_slot_params<T>(s);
   const long long begin = j * chunk;
   const long long valid = chunk_valid(numel, chunk, j);
   const long long stride = static_cast<long long>(blockDim.x) * gridDim.x;
@@ -117,7 +133,7 @@ __device__ void decompress_add_body(const unsigned char* buf, long long numel, l
                                     long long slot, typename T::storage* inout) {
   const long long j = blockIdx.y;
   const unsigned char* s = buf + j * slot;
-  const QuantParams p = slot_params<T>(s);
+  const QuantParams p = block_slot_params<T>(s);
   const long long begin = j * chunk;
   const long long valid = chunk_valid(numel, chunk, j);
   const long long stride = static_cast<long long>(blockDim.x) * gridDim.x;
@@ -130,15 +146,25 @@ __device__ void decompress_add_body(const unsigned char* buf, long long numel, l
 
 // out[i] = pairwise sum over the n full chunks of round_to<T>(decoded element i), divided by
 // n when averaging. Equals decompress followed by reduce_chunks.
+// The block first derives the parameters of the first kCachedChunks chunks from their
+// headers into shared memory, each chunk by one thread; every element then reads them from
+// there (chunks past kCachedChunks, only in groups that large, derive theirs per element).
 template <class T>
 __device__ void decompress_reduce_body(const unsigned char* buf, int n_chunks, long long chunk,
                                        long long slot, int average, typename T::storage* out) {
+  __shared__ QuantParams s_params[kCachedChunks];
+  const int cached = n_chunks < kCachedChunks ? n_chunks : kCachedChunks;
+  for (int j = threadIdx.x; j < cached; j += blockDim.x) {
+    s_params[j] = slot_params<T>(buf + j * slot);
+  }
+  __syncthreads();
   const long long stride = static_cast<long long>(blockDim.x) * gridDim.x;
   for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < chunk;
        i += stride) {
     const float sum = pairwise_sum(n_chunks, [&](int j) {
       const unsigned char* s = buf + j * slot;
-      return round_to<T>(dequantize(s[kHeaderBytes + i], slot_params<T>(s)));
+      const QuantParams p = j < cached ? s_params[j] : slot_params<T>(s);
+      return round_to<T>(dequantize(s[kHeaderBytes + i], p));
     });
     out[i] = T::store(finish_reduce(sum, n_chunks, average != 0));
   }

@@ -45,9 +45,16 @@ class Communicator(abc.ABC):
     def allreduce(self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp) -> None:
         """Reduces ``tensor_in`` element-wise over the group into ``tensor_out``.
 
-        ``op`` is SUM, MIN, MAX or PRODUCT (AVERAGE and ADASUM are built on top by the engine).
+        ``op`` is SUM, MIN, MAX or PRODUCT, or AVERAGE where :meth:`reduces_average` says so
+        (otherwise the engine builds AVERAGE on SUM, and ADASUM always).
         ``tensor_in`` may be ``tensor_out`` for an in-place reduction.
         """
+
+    def reduces_average(self, dtype: torch.dtype) -> bool:
+        """Whether :meth:`allreduce` takes AVERAGE for tensors of ``dtype``: the sum divided
+        by :attr:`size` in one call, rounded as the floating ``dtype`` rounds. Never for
+        integers, whose average the engine truncates the way Horovod does."""
+        return False
 
     def allreduce_scaled(
         self,

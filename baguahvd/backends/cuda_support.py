@@ -3,7 +3,9 @@ tables, the backend's errors, and the stream helpers both the backend and the en
 (which device and stream a tensor is on, the mark a submission leaves on its stream).
 
 Only this module and :mod:`baguahvd.backends.nccl` import CuPy, and only when the first CUDA
-tensor arrives.
+tensor arrives. Every caller reaches these helpers through this module
+(``cuda_support.tensor_device(...)``), so that a test that replaces one here (the stream
+model, the fake CuPy's tests) replaces it for all of them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from baguahvd.common.ops import ReduceOp
 
 BFLOAT16_MIN_VERSION = 21000
 """NCCL 2.10 is the first to reduce bfloat16."""
+
+AVG_MIN_VERSION = 21000
+"""NCCL 2.10 is the first with ``ncclAvg``."""
+
+_NCCL_AVG = 4
+"""``ncclAvg`` in ``ncclRedOp_t``, for CuPy builds that do not name it."""
 
 _INSTALL_HINT = (
     "CUDA tensors need CuPy with NCCL: install baguahvd's GPU extra with "
@@ -96,9 +104,12 @@ def dtype_table(nccl: Any) -> dict[torch.dtype, int]:
 
 
 def op_table(nccl: Any) -> dict[ReduceOp, int]:
-    """NCCL's reduction codes, by :class:`ReduceOp` (AVERAGE and ADASUM are built on SUM by
-    the engine)."""
-    return {op: int(getattr(nccl, name)) for op, name in _OP_NAMES.items()}
+    """NCCL's reduction codes, by :class:`ReduceOp`. AVERAGE is ``ncclAvg`` from NCCL 2.10 on
+    (before, the engine builds it on SUM); ADASUM is always built by the engine."""
+    table = {op: int(getattr(nccl, name)) for op, name in _OP_NAMES.items()}
+    if int(nccl.get_version()) >= AVG_MIN_VERSION:
+        table[ReduceOp.AVERAGE] = int(getattr(nccl, "NCCL_AVG", _NCCL_AVG))
+    return table
 
 
 def is_cuda(tensor: torch.Tensor) -> bool:
@@ -161,24 +172,26 @@ def mark_submission(tensors: Sequence[torch.Tensor]) -> StreamMark | None:
     with cupy.cuda.Device(device.index):
         consumer = current_stream_ptr(device)
         ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(_external(cupy, consumer))
+        ready.record(external_stream(cupy, consumer))
     return StreamMark(device, consumer, ready)
 
 
-def _external(cupy: Any, ptr: int) -> Any:
+def external_stream(cupy: Any, ptr: int) -> Any:
+    """CuPy's view of the CUDA stream of handle ``ptr`` (a stream CuPy did not create)."""
     stream = cupy.cuda.Stream
     if hasattr(stream, "from_external"):
         return stream.from_external(ptr)
     return cupy.cuda.ExternalStream(ptr)
 
 
-def _ptr(tensor: torch.Tensor, offset: int = 0) -> int:
+def device_ptr(tensor: torch.Tensor, offset: int = 0) -> int:
     """The device address of element ``offset`` of a contiguous tensor."""
     assert tensor.is_contiguous(), "the engine hands NCCL contiguous buffers only"
     return int(tensor.data_ptr()) + offset * tensor.element_size()
 
 
-def _offsets(counts: Sequence[int]) -> list[int]:
+def block_offsets(counts: Sequence[int]) -> list[int]:
+    """Where each of consecutive blocks of ``counts`` elements starts."""
     offsets, total = [], 0
     for count in counts:
         offsets.append(total)

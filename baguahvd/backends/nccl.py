@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from baguahvd.backends import nccl_setup
+from baguahvd.backends import cuda_support, nccl_setup
 from baguahvd.backends.base import Communicator
 from baguahvd.backends.cuda_support import (
     BFLOAT16_MIN_VERSION,
@@ -50,20 +50,6 @@ from baguahvd.backends.cuda_support import (
     NCCLTimeoutError,
     NCCLUnavailableError,
     StreamMark,
-    _external,
-    _offsets,
-    _ptr,
-    current_stream_ptr,
-    dtype_table,
-    import_cupy,
-    is_cuda,
-    mark_submission,
-    on_stream,
-    op_table,
-    record_stream,
-    set_torch_device,
-    tensor_device,
-    thread_cuda_device,
 )
 from baguahvd.common.ops import ReduceOp
 
@@ -78,10 +64,7 @@ _LONGEST_POLL_S = 1e-3
 __all__ = [
     "BFLOAT16_MIN_VERSION", "DEFAULT_TIMEOUT_S", "LaunchedUnit", "NCCLCommunicator", "NCCLError",
     "NCCLTimeoutError", "NCCLUnavailableError", "StreamMark", "cross_communicator",
-    "single_rank_communicator",
-    "current_stream_ptr", "dtype_table", "import_cupy", "is_cuda", "local_communicator",
-    "mark_submission", "on_stream", "op_table", "record_stream", "set_torch_device",
-    "tensor_device", "thread_cuda_device",
+    "local_communicator", "single_rank_communicator",
 ]
 
 
@@ -141,9 +124,9 @@ class NCCLCommunicator(Communicator):
 
     def _load(self) -> Any:
         if self._nccl is None:
-            cupy = import_cupy()
-            self._dtypes = dtype_table(cupy.cuda.nccl)
-            self._ops = op_table(cupy.cuda.nccl)
+            cupy = cuda_support.import_cupy()
+            self._dtypes = cuda_support.dtype_table(cupy.cuda.nccl)
+            self._ops = cuda_support.op_table(cupy.cuda.nccl)
             self._cupy, self._nccl = cupy, cupy.cuda.nccl
         return self._nccl
 
@@ -182,7 +165,7 @@ class NCCLCommunicator(Communicator):
         if thread in self._threads:
             return
         self._cupy.cuda.Device(device.index).use()
-        set_torch_device(device)
+        cuda_support.set_torch_device(device)
         self._threads.add(thread)
 
     def _reduce_type(self, dtype: torch.dtype) -> int:
@@ -198,6 +181,13 @@ class NCCLCommunicator(Communicator):
             return self._ops[op]
         except KeyError:
             raise ValueError(f"The NCCL backend cannot reduce with {op.name} directly.") from None
+
+    def reduces_average(self, dtype: torch.dtype) -> bool:
+        # ncclAvg (NCCL >= 2.10) for the floating types NCCL reduces itself.
+        self._load()
+        return (
+            dtype.is_floating_point and dtype in self._dtypes and ReduceOp.AVERAGE in self._ops
+        )
 
     def _needs_widening(self, dtype: torch.dtype) -> bool:
         # bfloat16 before NCCL 2.10: reduced in float32 and rounded once at the end.
@@ -227,7 +217,7 @@ class NCCLCommunicator(Communicator):
             self._launch(what, device, launch)
             return
         cupy = self._cupy
-        consumer = _external(cupy, current_stream_ptr(device))
+        consumer = cuda_support.external_stream(cupy, cuda_support.current_stream_ptr(device))
         ready = cupy.cuda.Event(disable_timing=True)
         ready.record(consumer)
         self._stream.wait_event(ready)
@@ -266,7 +256,7 @@ class NCCLCommunicator(Communicator):
         launched = LaunchedUnit(what, device, time.monotonic() + self.timeout_s)
         self._in_unit = True
         try:
-            with on_stream(device, self._stream.ptr):
+            with cuda_support.on_stream(device, self._stream.ptr):
                 yield launched
         finally:
             self._in_unit = False
@@ -274,7 +264,7 @@ class NCCLCommunicator(Communicator):
         done.record(self._stream)
         for consumer in dict.fromkeys(mark.consumer for mark in marks):
             for tensor in launched.produced:
-                record_stream(tensor, device, consumer)
+                cuda_support.record_stream(tensor, device, consumer)
         launched.done = done
 
     def finished(self, launched: LaunchedUnit) -> bool:
@@ -370,7 +360,7 @@ class NCCLCommunicator(Communicator):
     # Collectives
 
     def allreduce(self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp) -> None:
-        device = tensor_device(tensor_out)
+        device = cuda_support.tensor_device(tensor_out)
         if self._needs_widening(tensor_out.dtype):
             wide = tensor_in.float()
             self.allreduce(wide, wide, op)
@@ -378,7 +368,8 @@ class NCCLCommunicator(Communicator):
             return
         dtype = self._reduce_type(tensor_out.dtype)
         nccl_op = self._reduce_op(op)
-        send, recv, count = _ptr(tensor_in), _ptr(tensor_out), tensor_out.numel()
+        send, recv = cuda_support.device_ptr(tensor_in), cuda_support.device_ptr(tensor_out)
+        count = tensor_out.numel()
         self._run(
             "allreduce",
             device,
@@ -388,15 +379,16 @@ class NCCLCommunicator(Communicator):
     def allgather(
         self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, counts: Sequence[int]
     ) -> None:
-        device = tensor_device(tensor_out)
+        device = cuda_support.tensor_device(tensor_out)
         dtype, per_element = self._move_type(tensor_out)
-        offsets = _offsets(counts)
+        offsets = cuda_support.block_offsets(counts)
         counts = list(counts)
 
         def launch(comm: Any, stream: int) -> None:
             if len(set(counts)) == 1:
                 comm.allGather(
-                    _ptr(tensor_in), _ptr(tensor_out), counts[0] * per_element, dtype, stream
+                    cuda_support.device_ptr(tensor_in), cuda_support.device_ptr(tensor_out),
+                    counts[0] * per_element, dtype, stream,
                 )
                 return
             # Uneven blocks: every rank broadcasts its block into place.
@@ -404,16 +396,16 @@ class NCCLCommunicator(Communicator):
                 for root, (count, offset) in enumerate(zip(counts, offsets)):
                     if count == 0:
                         continue
-                    target = _ptr(tensor_out, offset)
-                    source = _ptr(tensor_in) if root == self.rank else target
+                    target = cuda_support.device_ptr(tensor_out, offset)
+                    source = cuda_support.device_ptr(tensor_in) if root == self.rank else target
                     comm.broadcast(source, target, count * per_element, dtype, root, stream)
 
         self._run("allgather", device, launch)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
-        device = tensor_device(tensor)
+        device = cuda_support.tensor_device(tensor)
         dtype, per_element = self._move_type(tensor)
-        address, count = _ptr(tensor), tensor.numel() * per_element
+        address, count = cuda_support.device_ptr(tensor), tensor.numel() * per_element
         self._run(
             "broadcast",
             device,
@@ -427,21 +419,22 @@ class NCCLCommunicator(Communicator):
         tensor_out: torch.Tensor,
         recv_counts: Sequence[int],
     ) -> None:
-        device = tensor_device(tensor_out)
+        device = cuda_support.tensor_device(tensor_out)
         dtype, per_element = self._move_type(tensor_out)
-        send_offsets, recv_offsets = _offsets(send_counts), _offsets(recv_counts)
+        send_offsets = cuda_support.block_offsets(send_counts)
+        recv_offsets = cuda_support.block_offsets(recv_counts)
 
         def launch(comm: Any, stream: int) -> None:
             with self._group():
                 for peer in range(self.size):
                     if send_counts[peer]:
                         comm.send(
-                            _ptr(tensor_in, send_offsets[peer]),
+                            cuda_support.device_ptr(tensor_in, send_offsets[peer]),
                             send_counts[peer] * per_element, dtype, peer, stream,
                         )
                     if recv_counts[peer]:
                         comm.recv(
-                            _ptr(tensor_out, recv_offsets[peer]),
+                            cuda_support.device_ptr(tensor_out, recv_offsets[peer]),
                             recv_counts[peer] * per_element, dtype, peer, stream,
                         )
 
@@ -454,7 +447,7 @@ class NCCLCommunicator(Communicator):
         counts: Sequence[int],
         op: ReduceOp,
     ) -> None:
-        device = tensor_device(tensor_out)
+        device = cuda_support.tensor_device(tensor_out)
         if self._needs_widening(tensor_out.dtype):
             wide_out = torch.empty(tensor_out.shape, dtype=torch.float32, device=device)
             self.reduce_scatter(tensor_in.float(), wide_out, counts, op)
@@ -462,13 +455,14 @@ class NCCLCommunicator(Communicator):
             return
         dtype = self._reduce_type(tensor_out.dtype)
         nccl_op = self._reduce_op(op)
-        offsets = _offsets(counts)
+        offsets = cuda_support.block_offsets(counts)
         counts = list(counts)
 
         def launch(comm: Any, stream: int) -> None:
             if len(set(counts)) == 1:
                 comm.reduceScatter(
-                    _ptr(tensor_in), _ptr(tensor_out), counts[0], dtype, nccl_op, stream
+                    cuda_support.device_ptr(tensor_in), cuda_support.device_ptr(tensor_out),
+                    counts[0], dtype, nccl_op, stream,
                 )
                 return
             # Uneven blocks: one reduce per block, to the rank that keeps it.
@@ -476,21 +470,21 @@ class NCCLCommunicator(Communicator):
                 for root, (count, offset) in enumerate(zip(counts, offsets)):
                     if count == 0:
                         continue
-                    source = _ptr(tensor_in, offset)
-                    target = _ptr(tensor_out) if root == self.rank else source
+                    source = cuda_support.device_ptr(tensor_in, offset)
+                    target = cuda_support.device_ptr(tensor_out) if root == self.rank else source
                     comm.reduce(source, target, count, dtype, nccl_op, root, stream)
 
         self._run("reduce_scatter", device, launch)
 
     def sendrecv(self, tensor_out: torch.Tensor, tensor_in: torch.Tensor, peer: int) -> None:
-        device = tensor_device(tensor_in)
+        device = cuda_support.tensor_device(tensor_in)
         dtype, per_element = self._move_type(tensor_in)
         count = tensor_in.numel() * per_element
 
         def launch(comm: Any, stream: int) -> None:
             with self._group():
-                comm.send(_ptr(tensor_out), count, dtype, peer, stream)
-                comm.recv(_ptr(tensor_in), count, dtype, peer, stream)
+                comm.send(cuda_support.device_ptr(tensor_out), count, dtype, peer, stream)
+                comm.recv(cuda_support.device_ptr(tensor_in), count, dtype, peer, stream)
 
         self._run("sendrecv", device, launch)
 

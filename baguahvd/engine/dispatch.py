@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from baguahvd.backends import nccl
+from baguahvd.backends import cuda_support, nccl
 from baguahvd.backends.base import Communicator, DeviceCommFactory, SelfCommunicator
 from baguahvd.common.exceptions import HorovodInternalError, MismatchError
 from baguahvd.engine import execute
@@ -102,12 +102,12 @@ class Dispatcher:
 
     def mark(self, request: Request) -> None:
         """Notes where a submission stands in its submitter's CUDA stream (user thread)."""
-        mark = nccl.mark_submission(request.inputs)
+        mark = cuda_support.mark_submission(request.inputs)
         request.mark = mark
         if mark is not None:
             self.user_device = mark.device
         elif request.meta.op == OpType.JOIN and self.user_device is None:
-            self.user_device = nccl.thread_cuda_device()
+            self.user_device = cuda_support.thread_cuda_device()
 
     def run_unit(self, unit: list[Entry]) -> None:
         """Runs one agreed unit on this rank (engine thread); raises what it raised."""
@@ -133,7 +133,7 @@ class Dispatcher:
         marks = [request.mark for _, request in unit
                  if request is not None and request.mark is not None]
         device = marks[0].device if marks else (
-            getattr(comm, "device", None) or self.user_device or nccl.thread_cuda_device()
+            getattr(comm, "device", None) or self.user_device or cuda_support.thread_cuda_device()
         )
         deferred: list[Callable[[], None]] = []
         self._deferred = deferred
@@ -175,7 +175,7 @@ class Dispatcher:
     def _through_nccl(self, request: Request, state: ProcessSetState) -> bool:
         """Whether a single-member collective of CUDA tensors takes a one-rank NCCL
         communicator (made at the first one) instead of the identity fast path."""
-        request.mark = nccl.mark_submission(request.inputs)
+        request.mark = cuda_support.mark_submission(request.inputs)
         if request.mark is None:
             return False
         if state.device_comm is None:

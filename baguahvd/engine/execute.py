@@ -2,7 +2,8 @@
 
 Scaling follows Horovod: ``result = postscale * REDUCE(prescale * x_r)``; integers are scaled
 in float64 and truncated toward zero, float16/bfloat16 in float32 and rounded once.
-``Average`` is ``Sum`` with the postscale divided by the group size.
+``Average`` is ``Sum`` with the postscale divided by the group size, unless the
+communicator averages floating tensors itself (NCCL's ``ncclAvg``) and there is no postscale.
 """
 
 from __future__ import annotations
@@ -117,10 +118,21 @@ class FusionBuffers:
 Entry = tuple[Response, "Request | None"]
 
 
-def _factors(response: Response, group_size: int) -> tuple[ReduceOp, float, float]:
+def _factors(
+    response: Response, group_size: int, native_average: bool = False
+) -> tuple[ReduceOp, float, float]:
+    """The op the communicator runs and the factors applied before and after it.
+
+    AVERAGE stays AVERAGE when ``native_average`` (the communicator averages this dtype in
+    its reduction) and no postscale asks for a scaling pass anyway; otherwise it is SUM with
+    the postscale divided by the group size: one scaling pass after the reduction either way.
+    The prescale applies to the inputs in both cases.
+    """
     op = response.reduce_op
     post = response.postscale
     if op == ReduceOp.AVERAGE:
+        if native_average and post == 1.0:
+            return ReduceOp.AVERAGE, response.prescale, 1.0
         return ReduceOp.SUM, response.prescale, post / group_size
     return op, response.prescale, post
 
@@ -177,7 +189,8 @@ def allreduce(
             for tensor_in, tensor_out in zip(*_inputs_outputs(entry, dtype, comm, user_device)):
                 adasum(comm, tensor_in, tensor_out, first.prescale, first.postscale)
         return
-    op, pre, post = _factors(first, comm.size)
+    native = first.reduce_op == ReduceOp.AVERAGE and comm.reduces_average(dtype)
+    op, pre, post = _factors(first, comm.size, native)
     inputs: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []
     for entry in entries:

@@ -2,19 +2,26 @@
 GPU: ``cupy.cuda.nccl`` (constants with NCCL's own values, unique ids, a communicator that
 records its calls, groups, errors) and ``cupy.cuda`` devices, streams and events.
 
-Nothing is computed: every call is appended to one :class:`CallLog`, so a test checks which
-NCCL calls were made, with which pointers, counts and types, and in which order with the
-stream and event operations around them.
+Every call is appended to one :class:`CallLog`, so a test checks which NCCL calls were made,
+with which pointers, counts and types, and in which order with the stream and event
+operations around them. Nothing is communicated: a reduction leaves its buffers as they were,
+as if the other ranks had sent zeros, except an ``allReduce`` with ``NCCL_AVG``, which writes
+this rank's values divided by the communicator's size (what zeros from the others would
+give), so that averages through ``ncclAvg`` come out like averages built on a sum. Its
+pointers must be the addresses of real host memory (the CPU tensors that stand in for CUDA
+ones).
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import sys
 import threading
 import types
 from typing import Any
 
+import numpy as np
 import pytest
 
 # ncclDataType_t and ncclRedOp_t, as in nccl.h.
@@ -31,6 +38,28 @@ NCCL_TYPES = {
     "NCCL_BFLOAT16": 9,
 }
 NCCL_OPS = {"NCCL_SUM": 0, "NCCL_PROD": 1, "NCCL_MAX": 2, "NCCL_MIN": 3, "NCCL_AVG": 4}
+
+_FLOAT_TYPES = {6: np.float16, 7: np.float32, 8: np.float64}
+
+
+def _average_into(send: int, recv: int, count: int, dtype: int, nranks: int) -> None:
+    """``recv = send / nranks`` for ``count`` floats of NCCL type ``dtype`` at the host
+    addresses ``send`` and ``recv`` (bfloat16 through float32, rounded to nearest even)."""
+    if count == 0:
+        return
+    if dtype == NCCL_TYPES["NCCL_BFLOAT16"]:
+        source = np.ctypeslib.as_array((ctypes.c_uint16 * count).from_address(send))
+        target = np.ctypeslib.as_array((ctypes.c_uint16 * count).from_address(recv))
+        wide = (source.astype(np.uint32) << 16).view(np.float32) / np.float32(nranks)
+        bits = wide.view(np.uint32)
+        target[:] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return
+    kind = _FLOAT_TYPES[dtype]
+    width = np.dtype(kind).itemsize
+    source = np.frombuffer((ctypes.c_char * (count * width)).from_address(send), dtype=kind)
+    target = np.frombuffer((ctypes.c_char * (count * width)).from_address(recv), dtype=kind)
+    target[:] = source / kind(nranks)
+
 
 NCCL_STREAM_BASE = 0x5000
 """Handles of the streams the fake creates count up from here."""
@@ -58,9 +87,10 @@ class FakeCupy:
     Args:
         version: what ``nccl.get_version()`` answers.
         bfloat16: whether ``nccl.NCCL_BFLOAT16`` exists (CuPy older than 10 lacks it).
+        avg: whether ``nccl.NCCL_AVG`` exists (older CuPy builds do not name it).
     """
 
-    def __init__(self, version: int = 21805, bfloat16: bool = True) -> None:
+    def __init__(self, version: int = 21805, bfloat16: bool = True, avg: bool = True) -> None:
         self.log = CallLog()
         self.version = version
         self.unique_ids = 0
@@ -79,7 +109,7 @@ class FakeCupy:
         self.allocations = itertools.count(0xA000, 0x200)
         self._stream_ptrs = itertools.count(NCCL_STREAM_BASE)
         self._event_ids = itertools.count(1)
-        self.cupy = self._build(bfloat16)
+        self.cupy = self._build(bfloat16, avg)
 
     # -- installing ----------------------------------------------------------------------
 
@@ -91,7 +121,7 @@ class FakeCupy:
 
     # -- the modules -----------------------------------------------------------------------
 
-    def _build(self, bfloat16: bool) -> types.ModuleType:
+    def _build(self, bfloat16: bool, avg: bool) -> types.ModuleType:
         fake = self
         log = self.log
 
@@ -127,7 +157,14 @@ class FakeCupy:
                 log.append(("NcclCommunicator", ndev, comm_id, rank))
                 fake.communicators.append(self)
 
-            allReduce = recorder("allReduce")
+            _record_all_reduce = recorder("allReduce")
+
+            def allReduce(self, send: int, recv: int, count: int, dtype: int, op: int,
+                          stream: int) -> None:
+                self._record_all_reduce(send, recv, count, dtype, op, stream)
+                if op == NCCL_OPS["NCCL_AVG"]:
+                    _average_into(send, recv, count, dtype, self.ndev)
+
             reduce = recorder("reduce")
             broadcast = recorder("broadcast")
             bcast = recorder("bcast")
@@ -169,10 +206,13 @@ class FakeCupy:
         names = dict(NCCL_TYPES)
         if not bfloat16:
             del names["NCCL_BFLOAT16"]
+        ops = dict(NCCL_OPS)
+        if not avg:
+            del ops["NCCL_AVG"]
         nccl = _module(
             "cupy.cuda.nccl",
             **names,
-            **NCCL_OPS,
+            **ops,
             available=True,
             NcclError=NcclError,
             NcclCommunicator=NcclCommunicator,

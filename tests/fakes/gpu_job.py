@@ -29,7 +29,7 @@ def engine_model(monkeypatch: pytest.MonkeyPatch, device: int) -> StreamModel:
     """A stream model installed for the NCCL backend, whose engine and algorithm worker
     threads run on it too."""
     model = StreamModel(device=device, seed=0)
-    model.install(monkeypatch, backend)
+    model.install(monkeypatch)
     model.main_thread()
     original = Engine._run
 

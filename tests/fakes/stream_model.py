@@ -337,9 +337,10 @@ class StreamModel:
         with _Factories(self), _Mode(self):
             yield
 
-    def install(self, monkeypatch: pytest.MonkeyPatch, backend: Any) -> None:
-        """Installs the fake CuPy and points ``backend`` (``baguahvd.backends.nccl``) at the
-        model's streams and devices."""
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Installs the fake CuPy and points the CUDA helpers of
+        :mod:`baguahvd.backends.cuda_support`, which the NCCL backend and the engine call, at
+        the model's streams and devices."""
         self.fake.install(monkeypatch)
         # Factory functions with device="cuda" reach the model's dispatch mode.
         monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
@@ -377,10 +378,9 @@ class StreamModel:
             "tensor_device": tensor_device,
             "is_cuda": lambda tensor: model.device_of(tensor) != HOST,
         }
-        # The backend binds these helpers from cuda_support, which also calls them itself.
-        for module in (backend, cuda_support):
-            for name, replacement in replacements.items():
-                monkeypatch.setattr(module, name, replacement)
+        # Every caller reaches these helpers through cuda_support.
+        for name, replacement in replacements.items():
+            monkeypatch.setattr(cuda_support, name, replacement)
 
     def main_thread(self) -> None:
         """What a training script does first: ``torch.cuda.set_device(local_rank)``."""

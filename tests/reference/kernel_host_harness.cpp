@@ -9,6 +9,7 @@
 //   decompress_add  DT numel n buf x out
 //   decompress_reduce DT numel n average buf out
 //   reduce          DT numel n average x out
+//   minmax          DT numel offset workers x out   (lo, hi, bad of x[offset:] as fp32)
 //   average|add|subtract DT numel x y out
 //   addmul          DT numel factor x y out
 //   scale|divide    DT numel scalar x out
@@ -16,6 +17,7 @@
 //   lowprec         DT numel x w left right out
 //   narrow          DT numel f32_in out           (fp32 -> storage dtype)
 //   widen           DT numel storage_in f32_out   (storage dtype -> fp32)
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -68,24 +70,34 @@ void write_array(const char* path, const std::vector<S>& v) {
   write_file(path, v.data(), v.size() * sizeof(S));
 }
 
-// Splits a chunk over several partial accumulators that travel as (lo, hi) pairs, like the
-// blocks of the first min/max pass, then merges them like the header kernel.
+// Splits a chunk over several workers whose shares (minmax_share, as the threads of the first
+// min/max pass read them) travel as (lo, hi) pairs, then merges them like the header kernel.
 constexpr int kPartials = 7;
 
 template <class T>
-bhvd::MinMax chunk_minmax(const typename T::storage* x, long long begin, long long valid) {
-  bhvd::MinMax parts[kPartials];
-  for (int p = 0; p < kPartials; ++p) {
-    parts[p] = bhvd::minmax_empty();
-  }
-  for (long long i = 0; i < valid; ++i) {
-    bhvd::minmax_push(parts[i % kPartials], T::load(x[begin + i]));
-  }
+bhvd::MinMax chunk_minmax(const typename T::storage* x, long long begin, long long valid,
+                          int workers = kPartials) {
   bhvd::MinMax m = bhvd::minmax_empty();
-  for (int p = 0; p < kPartials; ++p) {
-    bhvd::minmax_merge(m, bhvd::minmax_from_partial(bhvd::minmax_partial_lo(parts[p]), parts[p].hi));
+  for (int w = 0; w < workers; ++w) {
+    const bhvd::MinMax part = bhvd::minmax_share<T>(x, begin, begin + valid, w, workers);
+    bhvd::minmax_merge(m, bhvd::minmax_from_partial(bhvd::minmax_partial_lo(part), part.hi));
   }
   return m;
+}
+
+// lo, hi and bad (1 or 0) of x[offset, numel) as fp32, x starting on a 16-byte boundary.
+template <class T>
+void minmax(long long numel, long long offset, int workers, const char* in,
+            const char* out_path) {
+  typedef typename T::storage S;
+  const std::vector<S> x = read_array<S>(in, numel);
+  std::vector<S> aligned(x.size() + 16 / sizeof(S));
+  const unsigned long long address = reinterpret_cast<unsigned long long>(aligned.data());
+  S* base = aligned.data() + (16 - address % 16) % 16 / sizeof(S);
+  std::copy(x.begin(), x.end(), base);
+  const bhvd::MinMax m = chunk_minmax<T>(base, offset, numel - offset, workers);
+  const std::vector<float> out = {m.lo, m.hi, m.bad ? 1.0f : 0.0f};
+  write_array(out_path, out);
 }
 
 template <class T>
@@ -141,10 +153,15 @@ void decompress_reduce(long long numel, int n, bool average, const char* buf_pat
   const long long slot = bhvd::slot_bytes(chunk);
   const Bytes buf = read_array<unsigned char>(buf_path, slot * n);
   std::vector<S> out(chunk);
+  // Every chunk's parameters derived once, as the kernel's blocks do into shared memory.
+  std::vector<bhvd::QuantParams> params;
+  for (int j = 0; j < n; ++j) {
+    params.push_back(bhvd::slot_params<T>(buf.data() + j * slot));
+  }
   for (long long i = 0; i < chunk; ++i) {
     const float sum = bhvd::pairwise_sum(n, [&](int j) {
       const unsigned char* s = buf.data() + j * slot;
-      return bhvd::round_to<T>(bhvd::dequantize(s[bhvd::kHeaderBytes + i], bhvd::slot_params<T>(s)));
+      return bhvd::round_to<T>(bhvd::dequantize(s[bhvd::kHeaderBytes + i], params[j]));
     });
     out[i] = T::store(bhvd::finish_reduce(sum, n, average));
   }
@@ -204,6 +221,9 @@ int run(const std::string& op, int argc, char** argv) {
   } else if (op == "decompress_reduce") {
     need(8);
     decompress_reduce<T>(numel, std::atoi(argv[4]), std::atoi(argv[5]) != 0, argv[6], argv[7]);
+  } else if (op == "minmax") {
+    need(8);
+    minmax<T>(numel, std::atoll(argv[4]), std::atoi(argv[5]), argv[6], argv[7]);
   } else if (op == "reduce") {
     need(8);
     reduce<T>(numel, std::atoi(argv[4]), std::atoi(argv[5]) != 0, argv[6], argv[7]);

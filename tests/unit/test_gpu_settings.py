@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from baguahvd.backends import cuda_support
 from baguahvd.backends import nccl as backend
 from baguahvd.backends.base import Communicator
 from baguahvd.common.config import Config
@@ -62,7 +63,7 @@ def test_a_single_member_set_takes_no_stream_mark(monkeypatch: pytest.MonkeyPatc
     def refuse(tensors: object) -> None:
         raise AssertionError("a single-member set marked its submission")
 
-    monkeypatch.setattr(backend, "mark_submission", refuse)
+    monkeypatch.setattr(cuda_support, "mark_submission", refuse)
     job = start_job(1)
     try:
         engine = job.engines[0]
@@ -85,11 +86,11 @@ def test_single_rank_nccl_routes_a_one_rank_allreduce_through_nccl(
     fake = FakeCupy()
     fake.install(monkeypatch)
     device = torch.device("cuda", 0)
-    monkeypatch.setattr(backend, "tensor_device", lambda tensor: device)
-    monkeypatch.setattr(backend, "current_stream_ptr", lambda device: 0x7070)
-    monkeypatch.setattr(backend, "set_torch_device", lambda device: None)
-    monkeypatch.setattr(backend, "on_stream", lambda device, ptr: contextlib.nullcontext())
-    monkeypatch.setattr(backend, "record_stream", lambda tensor, device, ptr: None)
+    monkeypatch.setattr(cuda_support, "tensor_device", lambda tensor: device)
+    monkeypatch.setattr(cuda_support, "current_stream_ptr", lambda device: 0x7070)
+    monkeypatch.setattr(cuda_support, "set_torch_device", lambda device: None)
+    monkeypatch.setattr(cuda_support, "on_stream", lambda device, ptr: contextlib.nullcontext())
+    monkeypatch.setattr(cuda_support, "record_stream", lambda tensor, device, ptr: None)
     marks: list[object] = []
 
     def mark(tensors: list[torch.Tensor]) -> backend.StreamMark:
@@ -97,7 +98,7 @@ def test_single_rank_nccl_routes_a_one_rank_allreduce_through_nccl(
         marks.append(made)
         return made
 
-    monkeypatch.setattr(backend, "mark_submission", mark)
+    monkeypatch.setattr(cuda_support, "mark_submission", mark)
     job = start_job(1, nccl_single_rank=through_nccl)
     try:
         tensor, output = torch.arange(3.0), torch.zeros(3)

@@ -197,3 +197,26 @@ def test_nvrtc_source_inlines_the_header_once():
     assert src.count("namespace bhvd {") >= 3
     assert src.count("struct QuantParams {") == 1
     assert "#pragma once" not in src
+
+
+def _kernel_ptx(ptx: str, name: str) -> str:
+    start = ptx.index(f".entry {name}(")
+    following = ptx.find(".entry ", start + 1)
+    return ptx[start:] if following < 0 else ptx[start:following]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("suffix", sorted(DTYPE_SUFFIXES.values()))
+def test_minmax_first_pass_reads_16_bytes_at_a_time(nvcc_builds, suffix):
+    ptx = nvcc_builds[("nvrtc", "minmax_uint8.cu")][2].read_text()
+    body = _kernel_ptx(ptx, f"minmax_uint8_partial_{suffix}")
+    assert re.search(r"ld\.global\.nc\.v4\.u32", body), "no 128-bit load in the min/max pass"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kernel", ["decompress", "decompress_add", "decompress_reduce"])
+def test_decompress_kernels_share_the_chunk_parameters_per_block(nvcc_builds, kernel):
+    ptx = nvcc_builds[("nvrtc", "minmax_uint8.cu")][2].read_text()
+    for suffix in DTYPE_SUFFIXES.values():
+        body = _kernel_ptx(ptx, f"{kernel}_minmax_uint8_{suffix}")
+        assert "st.shared" in body and "bar.sync" in body, f"{kernel}_{suffix}"

@@ -298,3 +298,37 @@ def test_16_bit_scaling_in_one_pass_keeps_the_fp32_product_bits(dtype):
         assert torch.equal(got.isnan(), expected.isnan())
         numbers = ~expected.isnan()
         assert torch.equal(got[numbers].view(torch.int16), expected[numbers].view(torch.int16))
+
+
+def _minmax_values(dtype: torch.dtype, numel: int, special: float | None, at: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(numel * 31 + at)
+    x = torch.randn(numel, generator=g) * 100.0
+    if special is not None and numel:
+        x[at % numel] = special
+    elif numel:
+        x[at % numel] = 1e4  # the maximum, in the scalar head, a vector or the tail
+        x[(at * 7 + 3) % numel] = -1e4
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize(
+    "special", [None, float("nan"), float("inf")], ids=["finite", "nan", "inf"]
+)
+def test_minmax_reads_every_element_once_at_any_alignment(runner, dtype, special):
+    """The first min/max pass reads 16 bytes at a time from the first 16-byte boundary on;
+    whatever the offset of the chunk, its length and the number of threads, the merged
+    shares give the min and max of a scalar scan (and 'bad' for a NaN or an Inf)."""
+    for numel, offset, workers, at in [
+        (1, 0, 1, 0), (3, 1, 2, 1), (9, 1, 3, 0), (37, 3, 1, 36), (37, 5, 4, 6),
+        (200, 7, 7, 199), (200, 2, 256, 2), (1031, 6, 5, 1030), (1031, 0, 3, 17),
+    ]:
+        x = _minmax_values(dtype, numel, special, at)
+        lo, hi, bad = runner.run(
+            "minmax", _sfx(dtype), numel, offset, workers, runner.save(x), out_dtype=torch.float32
+        ).tolist()
+        part = x[offset:].float()
+        expected_bad = not bool(torch.isfinite(part).all())
+        assert bool(bad) == expected_bad, (numel, offset, workers)
+        if not expected_bad:
+            assert (lo, hi) == (part.min().item(), part.max().item()), (numel, offset, workers)

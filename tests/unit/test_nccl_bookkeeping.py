@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from baguahvd.backends import cuda_support
 from baguahvd.backends import nccl as backend
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.common.ops import ReduceOp
@@ -39,9 +40,9 @@ DEVICE = torch.device("cuda", 0)
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeCupy:
     cupy = FakeCupy()
     cupy.install(monkeypatch)
-    monkeypatch.setattr(backend, "tensor_device", lambda tensor: DEVICE)
-    monkeypatch.setattr(backend, "current_stream_ptr", lambda device: TORCH_STREAM)
-    monkeypatch.setattr(backend, "set_torch_device", lambda device: None)
+    monkeypatch.setattr(cuda_support, "tensor_device", lambda tensor: DEVICE)
+    monkeypatch.setattr(cuda_support, "current_stream_ptr", lambda device: TORCH_STREAM)
+    monkeypatch.setattr(cuda_support, "set_torch_device", lambda device: None)
     return cupy
 
 
@@ -88,13 +89,13 @@ def test_a_communicator_imports_cupy_only_at_its_first_collective(
     fake: FakeCupy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     imported: list[str] = []
-    real_import = backend.import_cupy
+    real_import = cuda_support.import_cupy
 
     def counting_import() -> object:
         imported.append("cupy")
         return real_import()
 
-    monkeypatch.setattr(backend, "import_cupy", counting_import)
+    monkeypatch.setattr(cuda_support, "import_cupy", counting_import)
     comm = _comm()
     assert imported == [] and fake.log == [] and comm.device is None
     comm.allreduce(torch.ones(3), torch.ones(3), ReduceOp.SUM)
@@ -106,7 +107,7 @@ def test_a_communicator_imports_cupy_only_at_its_first_collective(
 def test_missing_cupy_raises_the_install_hint(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cupy", None)
     with pytest.raises(backend.NCCLUnavailableError, match=r"baguahvd\[cuda12\]") as info:
-        backend.import_cupy()
+        cuda_support.import_cupy()
     assert "CuPy is not installed" in str(info.value)
     assert isinstance(info.value, HorovodInternalError)
 
@@ -124,7 +125,7 @@ def test_cupy_whose_nccl_bindings_fail_to_load_says_nccl_is_missing(
 ) -> None:
     monkeypatch.setitem(sys.modules, "cupy.cuda.nccl", None)
     with pytest.raises(backend.NCCLUnavailableError, match="cannot use NCCL"):
-        backend.import_cupy()
+        cuda_support.import_cupy()
 
 
 # ---------------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ def test_cupy_whose_nccl_bindings_fail_to_load_says_nccl_is_missing(
 
 
 def test_dtype_table(fake: FakeCupy) -> None:
-    table = backend.dtype_table(fake.cupy.cuda.nccl)
+    table = cuda_support.dtype_table(fake.cupy.cuda.nccl)
     assert table == {
         torch.int8: NCCL_TYPES["NCCL_INT8"],
         torch.uint8: NCCL_TYPES["NCCL_UINT8"],
@@ -150,17 +151,21 @@ def test_dtype_table(fake: FakeCupy) -> None:
 )
 def test_bfloat16_needs_nccl_2_10_and_the_constant(version: int, constant: bool) -> None:
     nccl = FakeCupy(version=version, bfloat16=constant).cupy.cuda.nccl
-    assert torch.bfloat16 not in backend.dtype_table(nccl)
-    assert torch.float16 in backend.dtype_table(nccl)
+    assert torch.bfloat16 not in cuda_support.dtype_table(nccl)
+    assert torch.float16 in cuda_support.dtype_table(nccl)
 
 
-def test_op_table(fake: FakeCupy) -> None:
-    assert backend.op_table(fake.cupy.cuda.nccl) == {
+@pytest.mark.parametrize("version", [20907, 21003])
+def test_op_table(version: int) -> None:
+    table = {
         ReduceOp.SUM: NCCL_OPS["NCCL_SUM"],
         ReduceOp.PRODUCT: NCCL_OPS["NCCL_PROD"],
         ReduceOp.MIN: NCCL_OPS["NCCL_MIN"],
         ReduceOp.MAX: NCCL_OPS["NCCL_MAX"],
     }
+    if version >= 21000:  # ncclAvg
+        table[ReduceOp.AVERAGE] = NCCL_OPS["NCCL_AVG"]
+    assert cuda_support.op_table(FakeCupy(version=version).cupy.cuda.nccl) == table
 
 
 @pytest.mark.parametrize("dtype", [torch.int16, torch.bool, torch.complex64])
@@ -175,8 +180,14 @@ def test_unknown_dtype_is_a_type_error_naming_it(fake: FakeCupy, dtype: torch.dt
     assert "allReduce" not in fake.log.names()
 
 
-@pytest.mark.parametrize("op", [ReduceOp.AVERAGE, ReduceOp.ADASUM])
-def test_ops_built_by_the_engine_are_refused(fake: FakeCupy, op: ReduceOp) -> None:
+@pytest.mark.parametrize(
+    ("op", "version"), [(ReduceOp.AVERAGE, 20907), (ReduceOp.ADASUM, 21805)]
+)
+def test_ops_built_by_the_engine_are_refused(
+    monkeypatch: pytest.MonkeyPatch, op: ReduceOp, version: int
+) -> None:
+    FakeCupy(version=version).install(monkeypatch)
+    monkeypatch.setattr(cuda_support, "tensor_device", lambda tensor: DEVICE)
     tensor = torch.zeros(4)
     with pytest.raises(ValueError, match=op.name):
         _comm().allreduce(tensor, tensor, op)
@@ -206,9 +217,9 @@ def test_allreduce_passes_pointers_count_type_and_op(
 def test_bfloat16_is_reduced_in_float32_before_nccl_2_10(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeCupy(version=20907)
     fake.install(monkeypatch)
-    monkeypatch.setattr(backend, "tensor_device", lambda tensor: DEVICE)
-    monkeypatch.setattr(backend, "current_stream_ptr", lambda device: TORCH_STREAM)
-    monkeypatch.setattr(backend, "set_torch_device", lambda device: None)
+    monkeypatch.setattr(cuda_support, "tensor_device", lambda tensor: DEVICE)
+    monkeypatch.setattr(cuda_support, "current_stream_ptr", lambda device: TORCH_STREAM)
+    monkeypatch.setattr(cuda_support, "set_torch_device", lambda device: None)
     tensor_in = torch.tensor([1.5, -2.25, 3.0], dtype=torch.bfloat16)
     tensor_out = torch.zeros(3, dtype=torch.bfloat16)
     _comm().allreduce(tensor_in, tensor_out, ReduceOp.SUM)
@@ -269,7 +280,7 @@ def test_a_tensor_on_another_device_is_refused(
     fake: FakeCupy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     comm = _bound(fake)
-    monkeypatch.setattr(backend, "tensor_device", lambda tensor: torch.device("cuda", 1))
+    monkeypatch.setattr(cuda_support, "tensor_device", lambda tensor: torch.device("cuda", 1))
     with pytest.raises(backend.NCCLError, match="set_device"):
         comm.broadcast(torch.ones(2), 0)
 
@@ -571,7 +582,7 @@ def test_a_collective_waited_for_is_abandoned_when_the_engine_stops(fake: FakeCu
 @pytest.fixture
 def launcher(fake: FakeCupy, monkeypatch: pytest.MonkeyPatch) -> FakeCupy:
     """``fake``, with torch's current stream left alone inside units."""
-    monkeypatch.setattr(backend, "on_stream", lambda device, ptr: contextlib.nullcontext())
+    monkeypatch.setattr(cuda_support, "on_stream", lambda device, ptr: contextlib.nullcontext())
     return fake
 
 

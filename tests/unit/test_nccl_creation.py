@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from baguahvd.backends import cuda_support, nccl_setup
 from baguahvd.backends import nccl as backend
-from baguahvd.backends import nccl_setup
 from baguahvd.common.ops import ReduceOp
 from tests.fakes import fake_mpi
 from tests.fakes.fake_cupy import NCCL_STREAM_BASE, FakeCupy
@@ -28,9 +28,9 @@ DEVICE = torch.device("cuda", 0)
 def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCupy]:
     cupy = FakeCupy()
     cupy.install(monkeypatch)
-    monkeypatch.setattr(backend, "tensor_device", lambda tensor: DEVICE)
-    monkeypatch.setattr(backend, "current_stream_ptr", lambda device: 0x7070)
-    monkeypatch.setattr(backend, "set_torch_device", lambda device: None)
+    monkeypatch.setattr(cuda_support, "tensor_device", lambda tensor: DEVICE)
+    monkeypatch.setattr(cuda_support, "current_stream_ptr", lambda device: 0x7070)
+    monkeypatch.setattr(cuda_support, "set_torch_device", lambda device: None)
     yield cupy
     for gate in cupy.blocked.values():  # lets abandoned helper threads finish
         gate.set()

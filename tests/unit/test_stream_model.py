@@ -37,7 +37,7 @@ SEEDS = [0, 1, 2]
 @pytest.fixture(params=SEEDS)
 def model(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> StreamModel:
     model = StreamModel(device=GPU, seed=request.param)
-    model.install(monkeypatch, backend)
+    model.install(monkeypatch)
     model.main_thread()
     return model
 

@@ -64,7 +64,7 @@ def test_the_model_runs_streams_side_by_side_and_events_order_them(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = StreamModel(device=GPU)
-    model.install(monkeypatch, backend)
+    model.install(monkeypatch)
     model.main_thread()
     model.cost = lambda name: {"mm": 3.0, "add_": 1.0}.get(name, 0.0)
     compute, other = model.stream("compute"), model.stream("other")
@@ -193,16 +193,18 @@ def hold_events(model: StreamModel, monkeypatch: pytest.MonkeyPatch) -> threadin
     fire = threading.Event()
     event_class = model.fake.cupy.cuda.Event
     done = event_class.done
-    warm_ups: set[int] = set()
+    # The warm-up events themselves, not their ids: a freed event's id can come back as the
+    # id of a later completion event.
+    warm_ups: list[Any] = []
     helper_run = nccl_setup._Helper.run
 
     def run(helper: nccl_setup._Helper) -> None:
         helper_run(helper)
-        warm_ups.add(id(helper.warmed))
+        warm_ups.append(helper.warmed)
 
     monkeypatch.setattr(nccl_setup._Helper, "run", run)
     monkeypatch.setattr(event_class, "done", property(
-        lambda event: (fire.is_set() or id(event) in warm_ups) and done.fget(event)
+        lambda event: (fire.is_set() or any(event is w for w in warm_ups)) and done.fget(event)
     ))
     return fire
 

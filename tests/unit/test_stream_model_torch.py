@@ -9,7 +9,6 @@ import types
 import pytest
 import torch
 
-from baguahvd.backends import nccl as backend
 from baguahvd.torch import sync_batch_norm
 from baguahvd.torch.algorithms import primitives
 from baguahvd.torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
@@ -24,7 +23,7 @@ CUDA = f"cuda:{GPU}"
 @pytest.fixture(params=[0, 1])
 def model(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> StreamModel:
     model = StreamModel(device=GPU, seed=request.param)
-    model.install(monkeypatch, backend)
+    model.install(monkeypatch)
     model.main_thread()
     return model
 

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from baguahvd.backends import nccl
+from baguahvd.backends import cuda_support
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.common.ops import ReduceOp
 from baguahvd.kernels import async_model_average_
@@ -121,7 +121,7 @@ class AsyncModelAverageAlgorithm(Algorithm):
 
     def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
         for name, p in context.parameters:
-            if nccl.is_cuda(p):
+            if cuda_support.is_cuda(p):
                 raise ValueError(
                     "async model averaging exchanges the weights over MPI from host memory "
                     f"and does not take CUDA tensors yet; parameter {name} is on {p.device}. "

@@ -1,0 +1,180 @@
+"""Average allreduces of CUDA tensors through ``ncclAvg``, against a fake CuPy.
+
+From NCCL 2.10 on, an Average allreduce of floating tensors without a postscale is one
+``allReduce`` with NCCL's average op and no scaling pass; with an older NCCL, a postscale or
+an integer dtype it stays a Sum followed by a scaling pass. The fake NCCL moves no data and
+averages as if the other rank had sent zeros, so both ways give this rank's values over the
+communicator's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from baguahvd.backends import cuda_support
+from baguahvd.backends import nccl as backend
+from baguahvd.common.ops import ReduceOp
+from baguahvd.engine import execute
+from baguahvd.engine.messages import OpType, RequestMeta, Response
+from baguahvd.engine.requests import Request
+from tests.fakes import fake_mpi
+from tests.fakes.fake_cupy import NCCL_OPS, NCCL_TYPES, FakeCupy
+
+pytestmark = pytest.mark.bookkeeping
+
+DEVICE = torch.device("cuda", 0)
+NEW, OLD = 21805, 20907
+AVG, SUM = NCCL_OPS["NCCL_AVG"], NCCL_OPS["NCCL_SUM"]
+TYPE_NAMES = {
+    torch.float16: "NCCL_FLOAT16", torch.bfloat16: "NCCL_BFLOAT16",
+    torch.float32: "NCCL_FLOAT32", torch.float64: "NCCL_FLOAT64",
+}
+
+
+def _install(monkeypatch: pytest.MonkeyPatch, version: int, avg: bool = True) -> FakeCupy:
+    fake = FakeCupy(version=version, avg=avg)
+    fake.install(monkeypatch)
+    monkeypatch.setattr(cuda_support, "tensor_device", lambda tensor: DEVICE)
+    monkeypatch.setattr(cuda_support, "current_stream_ptr", lambda device: 0x7070)
+    monkeypatch.setattr(cuda_support, "set_torch_device", lambda device: None)
+    return fake
+
+
+def _bound(fake: FakeCupy) -> backend.NCCLCommunicator:
+    """Rank 0 of a two-rank communicator whose NCCL communicator exists, log cleared."""
+    comm = backend.NCCLCommunicator(fake_mpi.members(2)[0])
+    comm.broadcast(torch.zeros(1), 0)
+    fake.log.clear()
+    return comm
+
+
+class _Ops(TorchDispatchMode):
+    """Records the names of the torch operations run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+    def scaling(self) -> list[str]:
+        return [name for name in self.names if name.startswith(("mul", "div"))]
+
+
+@contextmanager
+def _recording() -> Iterator[_Ops]:
+    with _Ops() as ops:
+        yield ops
+
+
+def _allreduce(
+    comm: backend.NCCLCommunicator, tensors: list[torch.Tensor], **fields: Any
+) -> tuple[list[torch.Tensor], _Ops]:
+    dtype = execute.dtype_name(tensors[0].dtype)
+    shapes = tuple(tuple(t.shape) for t in tensors)
+    response = Response(
+        key="allreduce.g", name="allreduce.g", op=OpType.ALLREDUCE, process_set_id=0,
+        dtype=dtype, shapes=shapes, device="GPU", **{"reduce_op": ReduceOp.AVERAGE, **fields},
+    )
+    meta = RequestMeta(
+        key="allreduce.g", name="allreduce.g", op=OpType.ALLREDUCE, process_set_id=0, rank=0,
+        dtype=dtype, shapes=shapes, device="GPU",
+    )
+    # In place, as allreduce_ does: the fake's Sum leaves the buffers as they are.
+    inputs = [t.clone() for t in tensors]
+    request = Request(meta, inputs, inputs)
+    with _recording() as ops:
+        execute.allreduce(comm, [(response, request)], execute.FusionBuffers())
+    assert request.outputs is not None
+    return request.outputs, ops
+
+
+def _ops_issued(fake: FakeCupy) -> list[int]:
+    return [call[6] for call in fake.log.of("allReduce")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("fused", [False, True], ids=["one", "fused"])
+def test_average_is_one_ncclavg_call_without_scaling_from_nccl_2_10(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, fused: bool
+) -> None:
+    fake = _install(monkeypatch, NEW)
+    tensors = [torch.tensor([3.0, -1.5, 0.25], dtype=dtype)]
+    if fused:
+        tensors.append(torch.tensor([[8.0, 6.0]], dtype=dtype))
+    outputs, ops = _allreduce(_bound(fake), tensors)
+    assert _ops_issued(fake) == [AVG]
+    assert fake.log.of("allReduce")[0][5] == NCCL_TYPES[TYPE_NAMES[dtype]]
+    assert ops.scaling() == []
+    for out, tensor in zip(outputs, tensors):
+        assert torch.equal(out, tensor / 2)
+
+
+def test_average_stays_sum_and_scale_before_nccl_2_10(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _install(monkeypatch, OLD)
+    tensors = [torch.tensor([3.0, -1.5, 0.25]), torch.tensor([8.0, 6.0])]
+    outputs, ops = _allreduce(_bound(fake), tensors)
+    assert _ops_issued(fake) == [SUM]
+    assert len(ops.scaling()) == 1
+    assert torch.equal(outputs[0], tensors[0] / 2) and torch.equal(outputs[1], tensors[1] / 2)
+
+
+def test_cupy_without_the_constant_passes_ncclavgs_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _install(monkeypatch, NEW, avg=False)
+    assert not hasattr(fake.cupy.cuda.nccl, "NCCL_AVG")
+    outputs, ops = _allreduce(_bound(fake), [torch.tensor([4.0, 2.0])])
+    assert _ops_issued(fake) == [4]
+    assert torch.equal(outputs[0], torch.tensor([2.0, 1.0]))
+
+
+def test_a_postscale_keeps_sum_and_one_scaling_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _install(monkeypatch, NEW)
+    tensor = torch.tensor([3.0, -1.5, 0.25])
+    outputs, ops = _allreduce(_bound(fake), [tensor], postscale=3.0)
+    assert _ops_issued(fake) == [SUM]
+    assert len(ops.scaling()) == 1
+    assert torch.equal(outputs[0], tensor * (3.0 / 2))
+
+
+def test_a_prescale_scales_the_inputs_of_ncclavg(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _install(monkeypatch, NEW)
+    tensor = torch.tensor([3.0, -1.5, 0.25])
+    outputs, _ = _allreduce(_bound(fake), [tensor], prescale=4.0)
+    assert _ops_issued(fake) == [AVG]
+    assert torch.equal(outputs[0], tensor * 4.0 / 2)
+
+
+@pytest.mark.parametrize("version", [NEW, OLD])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8, torch.int8])
+def test_integers_average_as_a_truncated_sum_on_every_nccl(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, version: int
+) -> None:
+    fake = _install(monkeypatch, version)
+    values = [7, 3, 0, 1] if dtype == torch.uint8 else [7, -7, 3, -1]
+    tensor = torch.tensor(values, dtype=dtype)
+    outputs, _ = _allreduce(_bound(fake), [tensor])
+    assert _ops_issued(fake) == [SUM]
+    # Horovod's integer average: the sum scaled by 1 / size in float64, truncated.
+    assert torch.equal(outputs[0], torch.trunc(tensor.double() * 0.5).to(dtype))
+
+
+def test_only_floating_types_nccl_reduces_are_averaged_natively(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    comm = backend.NCCLCommunicator(fake_mpi.members(2)[0])
+    _install(monkeypatch, NEW)
+    assert comm.reduces_average(torch.float16) and comm.reduces_average(torch.bfloat16)
+    assert not comm.reduces_average(torch.int32)
+    assert not comm.reduces_average(torch.complex64)
+    old = backend.NCCLCommunicator(fake_mpi.members(2)[0])
+    _install(monkeypatch, OLD)
+    assert not old.reduces_average(torch.float32)
