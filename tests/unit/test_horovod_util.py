@@ -95,6 +95,7 @@ def test_every_horovod_module_path_resolves_under_the_shim() -> None:
         "from horovod.torch.mpi_ops import _basics\n"
         "from horovod.common.exceptions import HorovodInternalError\n"
         "from horovod.runner import run\n"
+        "from horovod.runner.util.threads import in_thread, on_event\n"
         "import horovod\n"
         "assert horovod.run is run\n"
         "print('resolved', split_list([1, 2, 3], 2))\n"

@@ -1,0 +1,1 @@
+"""``horovod.runner.util``: the helper modules Horovod's launcher and tests import."""
