@@ -438,7 +438,9 @@ def launch_from_env(env: Mapping[str, str] | None = None) -> Launch:
     """Reads what the launcher told this process (see :class:`Launch`).
 
     Precedence: an MPI launcher's variables first (MPI stays the default under mpirun),
-    then horovodrun --gloo's, then torchrun's.
+    then horovodrun --gloo's, then torchrun's. Horovod's rank variables next to torchrun's
+    without a Horovod rendezvous server (``baguahvdrun --gloo`` sets both) mean torchrun's
+    store.
     """
     env = os.environ if env is None else env
 
@@ -454,7 +456,12 @@ def launch_from_env(env: Mapping[str, str] | None = None) -> Launch:
         )
         return Launch("mpi", found(_MPI_LAUNCH), interface=interface,
                       mpi_components=components)
-    if found(("HOROVOD_RANK", "HOROVOD_SIZE")):
+    torchrun = found(("RANK", "WORLD_SIZE"))
+    # horovodrun --gloo always names its rendezvous server; baguahvdrun --gloo sets Horovod's
+    # rank variables too, next to torchrun's, and its ranks meet on torchrun's store.
+    if found(("HOROVOD_RANK", "HOROVOD_SIZE")) and (
+        found(("HOROVOD_GLOO_RENDEZVOUS_ADDR",)) or not torchrun
+    ):
         size = _int(env, "HOROVOD_SIZE", 1)
         return Launch(
             "horovodrun-gloo",
@@ -469,7 +476,7 @@ def launch_from_env(env: Mapping[str, str] | None = None) -> Launch:
             rendezvous_port=_int(env, "HOROVOD_GLOO_RENDEZVOUS_PORT", 0) or None,
             interface=interface,
         )
-    if found(("RANK", "WORLD_SIZE")):
+    if torchrun:
         size = _int(env, "WORLD_SIZE", 1)
         local_size = _int(env, "LOCAL_WORLD_SIZE", size)
         return Launch(

@@ -2,8 +2,10 @@
 
 No mpirun: the launcher picks a free TCP port, starts ``-np`` copies of the command on this
 machine with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-GROUP_RANK, MASTER_ADDR, MASTER_PORT), and rank 0's ``hvd.init()`` hosts the job's TCP store
-on that port (the launcher never imports torch). Each rank writes to the launcher's own
+GROUP_RANK, MASTER_ADDR, MASTER_PORT) and the rank variables ``horovodrun --gloo`` sets
+(HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK,
+HOROVOD_CROSS_SIZE), and rank 0's ``hvd.init()`` hosts the job's TCP store on that port (the
+launcher never imports torch). Each rank writes to the launcher's own
 stdout and stderr, unprefixed.
 
 The children run in sessions of their own, so a signal meant for the job reaches them once:
@@ -80,7 +82,28 @@ def rank_environments(
         MASTER_PORT=str(port),
         BAGUAHVD_CPU_BACKEND="gloo",
     )
-    return [dict(base, RANK=str(rank), LOCAL_RANK=str(rank)) for rank in range(num_proc)]
+    return [
+        dict(base, RANK=str(rank), LOCAL_RANK=str(rank), **horovod_variables(rank, num_proc))
+        for rank in range(num_proc)
+    ]
+
+
+def horovod_variables(rank: int, num_proc: int) -> dict[str, str]:
+    """The per-rank variables ``horovodrun --gloo`` gives a rank on a single host.
+
+    Scripts (and Horovod's own tests) read them to learn their rank or that gloo runs the
+    job; the ranks still meet on the launcher's TCP store (MASTER_ADDR/MASTER_PORT), which
+    :func:`baguahvd.common.config.launch_from_env` prefers when no Horovod rendezvous
+    server is named.
+    """
+    return {
+        "HOROVOD_RANK": str(rank),
+        "HOROVOD_SIZE": str(num_proc),
+        "HOROVOD_LOCAL_RANK": str(rank),
+        "HOROVOD_LOCAL_SIZE": str(num_proc),
+        "HOROVOD_CROSS_RANK": "0",
+        "HOROVOD_CROSS_SIZE": "1",
+    }
 
 
 def exit_status(returncode: int) -> int:

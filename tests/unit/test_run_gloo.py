@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from baguahvd.common.config import launch_from_env
 from baguahvd.runner import cli, local_gloo
 from baguahvd.runner.hosts import Host, LaunchError
 
@@ -20,14 +21,25 @@ def test_rank_environments() -> None:
     parent = {"PATH": "/bin", "OMPI_COMM_WORLD_SIZE": "4", "HOROVOD_RANK": "3"}
     envs = local_gloo.rank_environments(args, parent, 2, 12345)
     assert [(e["RANK"], e["LOCAL_RANK"]) for e in envs] == [("0", "0"), ("1", "1")]
+    assert [(e["HOROVOD_RANK"], e["HOROVOD_LOCAL_RANK"]) for e in envs] == [("0", "0"), ("1", "1")]
     for env in envs:
         assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        # What horovodrun --gloo tells each rank, for scripts that read it.
+        assert env["HOROVOD_SIZE"] == env["HOROVOD_LOCAL_SIZE"] == "2"
+        assert (env["HOROVOD_CROSS_RANK"], env["HOROVOD_CROSS_SIZE"]) == ("0", "1")
         assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "12345")
         assert env["BAGUAHVD_CPU_BACKEND"] == "gloo"
         assert env["HOROVOD_FUSION_THRESHOLD"] == str(1024 * 1024) and env["A"] == "b"
         # Another launcher's variables would make the rank think it runs under it.
-        assert "OMPI_COMM_WORLD_SIZE" not in env and "HOROVOD_RANK" not in env
+        assert "OMPI_COMM_WORLD_SIZE" not in env
         assert env["PATH"] == "/bin"
+
+
+def test_ranks_meet_on_the_launchers_store() -> None:
+    envs = local_gloo.rank_environments(cli.parse_args(["-np", "2", "--gloo", "python"]), {}, 2, 7)
+    launch = launch_from_env(envs[1])
+    assert launch.launcher == "torchrun"
+    assert (launch.rank, launch.size, launch.store_port) == (1, 2, 7)
 
 
 def test_remote_hosts_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

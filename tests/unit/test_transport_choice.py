@@ -52,6 +52,14 @@ def test_horovodrun_gloo() -> None:
     assert Config.from_env(HOROVODRUN_GLOO).cpu_backend == "gloo"
 
 
+def test_horovod_rank_variables_next_to_torchruns_mean_torchruns_store() -> None:
+    horovod_ranks = {k: v for k, v in HOROVODRUN_GLOO.items()
+                     if not k.startswith("HOROVOD_GLOO_RENDEZVOUS")}
+    assert launch_from_env({**TORCHRUN, **horovod_ranks}).launcher == "torchrun"
+    assert launch_from_env({**TORCHRUN, **HOROVODRUN_GLOO}).launcher == "horovodrun-gloo"
+    assert launch_from_env(horovod_ranks).launcher == "horovodrun-gloo"
+
+
 def test_mpirun_stays_mpi_even_with_other_variables() -> None:
     launch = launch_from_env({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0",
                               **TORCHRUN})
