@@ -32,8 +32,9 @@ def execute_function_multithreaded(
 
     Returns:
         With ``block_until_all_done``, a dict from the index in ``args_list`` to what that call
-        returned; ``None`` otherwise. An exception raised by a call propagates out of its
-        thread (it is logged there) and that index is missing from the dict.
+        returned; ``None`` otherwise. An exception raised by a call ends its thread (Python
+        reports it there): that index, and any that thread would have run next, are missing
+        from the dict.
     """
     if max_concurrent_executions < 1:
         raise ValueError(
