@@ -102,7 +102,8 @@ def on_event(
     func: Callable[..., Any],
     args: Sequence[Any] = (),
     stop: threading.Event | None = None,
-    check_interval_seconds: float = 1.0,
+    check_stop_interval_s: float = 1.0,
+    daemon: bool = True,
     silent: bool = False,
 ) -> threading.Thread:
     """Starts a thread that calls ``func(*args)`` once ``event`` is set.
@@ -112,16 +113,17 @@ def on_event(
         func: the function to call when it is set.
         args: its positional arguments.
         stop: an event that, set before ``event``, ends the thread without calling ``func``.
-        check_interval_seconds: how often ``stop`` is looked at while waiting.
+        check_stop_interval_s: how often ``stop`` is looked at while waiting.
+        daemon: as for :func:`in_thread`.
         silent: as for :func:`in_thread`.
 
     Returns:
-        The started (daemon) thread.
+        The started thread.
     """
     if not isinstance(args, (tuple, list)):
         raise ValueError(f"args must be a tuple or list, got {type(args).__name__}")
     # Without a stop event there is nothing to look at while waiting.
-    interval = None if stop is None else check_interval_seconds
+    interval = None if stop is None else check_stop_interval_s
 
     def stopped() -> bool:
         return stop is not None and stop.is_set()
@@ -133,4 +135,4 @@ def on_event(
         if not stopped():
             func(*args)
 
-    return in_thread(wait_then_call, silent=silent)
+    return in_thread(wait_then_call, daemon=daemon, silent=silent)

@@ -44,10 +44,12 @@ def test_on_event_calls_once_the_event_is_set() -> None:
 def test_on_event_does_not_call_after_stop() -> None:
     event, stop = threading.Event(), threading.Event()
     seen: list[str] = []
-    thread = on_event(event, seen.append, args=("fired",), stop=stop, check_interval_seconds=0.01)
+    thread = on_event(
+        event, seen.append, args=("fired",), stop=stop, check_stop_interval_s=0.01, daemon=False
+    )
     stop.set()
     thread.join(5)
-    assert not thread.is_alive() and seen == []
+    assert not thread.is_alive() and not thread.daemon and seen == []
 
 
 def test_execute_function_multithreaded_returns_results_by_index() -> None:
