@@ -320,6 +320,14 @@ def _check_adasum(engine: Engine, process_set_id: int, tensors: Sequence[torch.T
             raise ValueError(f"Adasum needs floating-point tensors, got {tensor.dtype}.")
 
 
+def _no_grad_flows(tensor: Any) -> bool:
+    """Whether no gradient can flow through ``tensor`` here (differentiable collectives
+    then skip their autograd node). A non-tensor goes on to the checks that name it."""
+    return not (isinstance(tensor, torch.Tensor) and tensor.requires_grad) or (
+        not torch.is_grad_enabled()
+    )
+
+
 def _register(handle: Handle, finish: Callable[[Handle], Any]) -> int:
     return runtime.handles.add(handle, finish)
 
@@ -513,9 +521,18 @@ def allreduce(
     """
     reduce_op = _resolve_op(average, op)
     compressed, context = compression.compress(tensor)
-    summed = _AllreduceFunction.apply(
-        compressed, name, reduce_op, prescale_factor, postscale_factor, process_set
-    )
+    if _no_grad_flows(compressed):
+        # Building the autograd node costs as much as a small collective's own work.
+        summed = synchronize(
+            allreduce_async(
+                compressed, None, name, reduce_op, prescale_factor, postscale_factor,
+                process_set,
+            )
+        )
+    else:
+        summed = _AllreduceFunction.apply(
+            compressed, name, reduce_op, prescale_factor, postscale_factor, process_set
+        )
     return compression.decompress(summed, context)
 
 
@@ -622,12 +639,26 @@ def grouped_allreduce(
     """Allreduces a list of tensors as one unit (negotiated and completed together) and
     returns a list of new tensors. Arguments as for :func:`allreduce`; differentiable."""
     reduce_op = _resolve_op(average, op)
-    compressed, contexts = zip(*(compression.compress(t) for t in tensors)) if tensors else (
-        (), ()
-    )
-    reduced = _GroupedAllreduceFunction.apply(
-        name, reduce_op, prescale_factor, postscale_factor, process_set, *compressed
-    )
+    if compression is Compression.none:
+        compressed: Sequence[torch.Tensor] = list(tensors)
+    else:
+        compressed, contexts = zip(*(compression.compress(t) for t in tensors)) if tensors else (
+            (), ()
+        )
+    if all(_no_grad_flows(t) for t in compressed):
+        # As in allreduce: no autograd node where no gradient can flow.
+        reduced = synchronize(
+            grouped_allreduce_async(
+                compressed, None, name, reduce_op, prescale_factor, postscale_factor,
+                process_set,
+            )
+        )
+    else:
+        reduced = _GroupedAllreduceFunction.apply(
+            name, reduce_op, prescale_factor, postscale_factor, process_set, *compressed
+        )
+    if compression is Compression.none:
+        return list(reduced)
     return [compression.decompress(t, c) for t, c in zip(reduced, contexts)]
 
 
