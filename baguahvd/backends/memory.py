@@ -45,7 +45,7 @@ def empty_like(tensor: torch.Tensor) -> torch.Tensor:
     """``torch.empty_like(tensor)``, with huge pages advised for a large CPU result (see
     module docstring). The advice is a hint: where it is refused, nothing changes."""
     out = torch.empty_like(tensor)
-    nbytes = out.numel() * out.element_size()
+    nbytes = out.nbytes
     if nbytes >= HUGE_PAGE_MIN_BYTES and _MADVISE is not None and out.is_cpu:
         address = out.data_ptr()
         start = -(-address // _HUGE_PAGE) * _HUGE_PAGE

@@ -272,9 +272,15 @@ def _check_group(tensors: Any, allowed: frozenset[torch.dtype], what: str) -> li
     if not tensors:
         raise ValueError(f"{what} expects a non-empty list of tensors.")
     checked = [_check_tensor(t, allowed, what) for t in tensors]
-    if len({t.device for t in checked}) > 1:
+    first = checked[0]
+    # is_cpu and dtype first: reading tensor.device builds an object per tensor.
+    if first.is_cpu:
+        if not all(t.is_cpu for t in checked):
+            raise _ArgumentError("Tensors in list must be on same device.")
+    elif len({t.device for t in checked}) > 1:
         raise _ArgumentError("Tensors in list must be on same device.")
-    if len({t.dtype for t in checked}) > 1:
+    dtype = first.dtype
+    if not all(t.dtype is dtype for t in checked):
         raise ValueError(
             f"{what} expects tensors of one dtype, got {sorted({str(t.dtype) for t in checked})}."
         )
