@@ -85,7 +85,10 @@ class FusionBuffers:
     def get(self, dtype: torch.dtype, count: int, device: torch.device) -> torch.Tensor:
         buffer = self._buffers.get((dtype, device))
         if buffer is None or buffer.numel() < count:
-            buffer = torch.empty(count, dtype=dtype, device=device)
+            # A normal tensor even when the first fused unit runs in inference mode: an
+            # inference tensor could not be written by the later units that do not.
+            with torch.inference_mode(False):
+                buffer = torch.empty(count, dtype=dtype, device=device)
             self._buffers[(dtype, device)] = buffer
             # Views of the old buffer would keep it alive.
             for layout in [k for k in self._layouts if k[0] == dtype and k[1] == device]:

@@ -493,6 +493,28 @@ def test_repeated_fused_allreduces_reuse_the_layout_with_fresh_tensors() -> None
             assert torch.equal(request.outputs[0], tensor)
 
 
+def test_a_fusion_buffer_made_in_inference_mode_serves_later_units() -> None:
+    buffers = execute.FusionBuffers()
+    for inference in (True, False, True):
+        with torch.inference_mode(inference):
+            tensors = [torch.full((2, 2), 3.0), torch.full((3,), -1.0)]
+        entries = []
+        for index, tensor in enumerate(tensors):
+            meta = RequestMeta(key=f"t{index}", name=f"allreduce.t{index}",
+                               op=OpType.ALLREDUCE, process_set_id=0, rank=0,
+                               dtype="float32", shapes=(tuple(tensor.shape),))
+            with torch.inference_mode(inference):
+                output = torch.empty_like(tensor)
+            entries.append((build_response([meta], (0,), ()), Request(meta, [tensor], [output])))
+        # As the dispatcher runs a unit: in inference mode when one of its tensors is an
+        # inference tensor, else without grad.
+        with torch.inference_mode() if inference else torch.no_grad():
+            execute.allreduce(SelfCommunicator(), entries, buffers)
+        for (_, request), tensor in zip(entries, tensors):
+            assert request.outputs is not None
+            assert torch.equal(request.outputs[0], tensor)
+
+
 def test_a_handle_tells_the_engine_before_it_blocks() -> None:
     calls: list[int] = []
     handle = Request(_meta(0), [], None).handle
