@@ -401,6 +401,7 @@ def _allreduce_submit(
     prescale_factor: float,
     postscale_factor: float,
     process_set: ProcessSet,
+    blocking: bool = False,
 ) -> Handle:
     reduce_op = _resolve_op(average, op)
     engine = runtime.require_engine()
@@ -417,7 +418,55 @@ def _allreduce_submit(
         reduce_op=reduce_op,
         prescale=prescale_factor,
         postscale=postscale_factor,
+        blocking=blocking,
     )
+
+
+def _allreduce_one(
+    tensor: torch.Tensor,
+    average: bool | None,
+    name: str | None,
+    op: int | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    in_place: bool,
+    blocking: bool,
+) -> Handle:
+    """Submits the allreduce of one tensor; ``blocking``: the caller waits for it at once."""
+    tensor = _check_tensor(tensor, _REDUCIBLE, "allreduce")
+    # Contiguous already, so preserving its format gives a contiguous output.
+    output = tensor if in_place else memory.empty_like(tensor)
+    return _allreduce_submit(
+        [tensor], [output], "allreduce", average, name, op, prescale_factor,
+        postscale_factor, process_set, blocking,
+    )
+
+
+def _allreduce_group(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None,
+    name: str | None,
+    op: int | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    in_place: bool,
+    blocking: bool,
+) -> Handle:
+    """Submits a grouped allreduce; ``blocking``: the caller waits for it at once."""
+    tensors = _check_group(tensors, _REDUCIBLE, "grouped_allreduce")
+    outputs = tensors if in_place else [memory.empty_like(t) for t in tensors]
+    return _allreduce_submit(
+        tensors, outputs, "grouped_allreduce", average, name, op, prescale_factor,
+        postscale_factor, process_set, blocking,
+    )
+
+
+def _waited(handle: Handle) -> list[torch.Tensor]:
+    result = handle.wait()
+    assert result is not None
+    return result
 
 
 @_takes_its_place(OpType.ALLREDUCE, "allreduce")
@@ -431,12 +480,9 @@ def allreduce_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Starts an out-of-place allreduce; see :func:`allreduce`. Returns a handle."""
-    tensor = _check_tensor(tensor, _REDUCIBLE, "allreduce")
-    # Contiguous already, so preserving its format gives a contiguous output.
-    output = memory.empty_like(tensor)
-    handle = _allreduce_submit(
-        [tensor], [output], "allreduce", average, name, op, prescale_factor,
-        postscale_factor, process_set,
+    handle = _allreduce_one(
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+        in_place=False, blocking=False,
     )
     return _register(handle, _first)
 
@@ -452,10 +498,9 @@ def allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Starts an in-place allreduce of ``tensor``; see :func:`allreduce`. Returns a handle."""
-    tensor = _check_tensor(tensor, _REDUCIBLE, "allreduce")
-    handle = _allreduce_submit(
-        [tensor], [tensor], "allreduce", average, name, op, prescale_factor,
-        postscale_factor, process_set,
+    handle = _allreduce_one(
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+        in_place=True, blocking=False,
     )
     return _register(handle, _first)
 
@@ -474,11 +519,11 @@ class _AllreduceFunction(torch.autograd.Function):
         ctx.op = op
         ctx.factors = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        return synchronize(
-            allreduce_async(
-                tensor, None, name, op, prescale_factor, postscale_factor, process_set
-            )
+        handle = _allreduce_one(
+            tensor, None, name, op, prescale_factor, postscale_factor, process_set,
+            in_place=False, blocking=True,
         )
+        return _waited(handle)[0]
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
@@ -529,12 +574,11 @@ def allreduce(
     compressed, context = compression.compress(tensor)
     if _no_grad_flows(compressed):
         # Building the autograd node costs as much as a small collective's own work.
-        summed = synchronize(
-            allreduce_async(
-                compressed, None, name, reduce_op, prescale_factor, postscale_factor,
-                process_set,
-            )
+        handle = _allreduce_one(
+            compressed, None, name, reduce_op, prescale_factor, postscale_factor,
+            process_set, in_place=False, blocking=True,
         )
+        summed = _waited(handle)[0]
     else:
         summed = _AllreduceFunction.apply(
             compressed, name, reduce_op, prescale_factor, postscale_factor, process_set
@@ -542,6 +586,7 @@ def allreduce(
     return compression.decompress(summed, context)
 
 
+@_takes_its_place(OpType.ALLREDUCE, "allreduce")
 def allreduce_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -552,11 +597,11 @@ def allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """In-place :func:`allreduce`; returns ``tensor`` itself. Not differentiable."""
-    return synchronize(
-        allreduce_async_(
-            tensor, average, name, op, prescale_factor, postscale_factor, process_set
-        )
+    handle = _allreduce_one(
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+        in_place=True, blocking=True,
     )
+    return _waited(handle)[0]
 
 
 @_takes_its_place(OpType.ALLREDUCE, "grouped_allreduce")
@@ -571,11 +616,9 @@ def grouped_allreduce_async(
 ) -> int:
     """Starts an out-of-place allreduce of a list of tensors as one unit; see
     :func:`grouped_allreduce`."""
-    tensors = _check_group(tensors, _REDUCIBLE, "grouped_allreduce")
-    outputs = [memory.empty_like(t) for t in tensors]
-    handle = _allreduce_submit(
-        tensors, outputs, "grouped_allreduce", average, name, op, prescale_factor,
-        postscale_factor, process_set,
+    handle = _allreduce_group(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set,
+        in_place=False, blocking=False,
     )
     return _register(handle, _as_tuple)
 
@@ -591,10 +634,9 @@ def grouped_allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Starts an in-place grouped allreduce; see :func:`grouped_allreduce`."""
-    tensors = _check_group(tensors, _REDUCIBLE, "grouped_allreduce")
-    handle = _allreduce_submit(
-        tensors, tensors, "grouped_allreduce", average, name, op, prescale_factor,
-        postscale_factor, process_set,
+    handle = _allreduce_group(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set,
+        in_place=True, blocking=False,
     )
     return _register(handle, _as_tuple)
 
@@ -613,11 +655,11 @@ class _GroupedAllreduceFunction(torch.autograd.Function):
         ctx.op = op
         ctx.factors = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        return synchronize(
-            grouped_allreduce_async(
-                tensors, None, name, op, prescale_factor, postscale_factor, process_set
-            )
+        handle = _allreduce_group(
+            tensors, None, name, op, prescale_factor, postscale_factor, process_set,
+            in_place=False, blocking=True,
         )
+        return tuple(_waited(handle))
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
@@ -653,12 +695,11 @@ def grouped_allreduce(
         )
     if all(_no_grad_flows(t) for t in compressed):
         # As in allreduce: no autograd node where no gradient can flow.
-        reduced = synchronize(
-            grouped_allreduce_async(
-                compressed, None, name, reduce_op, prescale_factor, postscale_factor,
-                process_set,
-            )
+        handle = _allreduce_group(
+            compressed, None, name, reduce_op, prescale_factor, postscale_factor,
+            process_set, in_place=False, blocking=True,
         )
+        reduced = _waited(handle)
     else:
         reduced = _GroupedAllreduceFunction.apply(
             name, reduce_op, prescale_factor, postscale_factor, process_set, *compressed
@@ -668,6 +709,7 @@ def grouped_allreduce(
     return [compression.decompress(t, c) for t, c in zip(reduced, contexts)]
 
 
+@_takes_its_place(OpType.ALLREDUCE, "grouped_allreduce")
 def grouped_allreduce_(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
@@ -678,11 +720,11 @@ def grouped_allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> tuple[torch.Tensor, ...]:
     """In-place :func:`grouped_allreduce`; returns the input tensors as a tuple."""
-    return synchronize(
-        grouped_allreduce_async_(
-            tensors, average, name, op, prescale_factor, postscale_factor, process_set
-        )
+    handle = _allreduce_group(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set,
+        in_place=True, blocking=True,
     )
+    return tuple(_waited(handle))
 
 
 @_takes_its_place(OpType.ALLGATHER, "allgather", suffixes=(".indices", ".values"))
