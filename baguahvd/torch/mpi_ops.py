@@ -271,6 +271,17 @@ def _check_group(tensors: Any, allowed: frozenset[torch.dtype], what: str) -> li
     tensors = list(tensors)
     if not tensors:
         raise ValueError(f"{what} expects a non-empty list of tensors.")
+    first = tensors[0]
+    if isinstance(first, torch.Tensor) and first.is_cpu and first.dtype in allowed:
+        # The common case in one pass: dense contiguous CPU tensors of the first one's
+        # dtype. Anything else goes through the per-tensor checks, which name the problem.
+        dtype, strided = first.dtype, torch.strided
+        if all(
+            isinstance(t, torch.Tensor) and t.dtype is dtype and t.is_cpu
+            and t.layout is strided and t.is_contiguous()
+            for t in tensors
+        ):
+            return tensors
     checked = [_check_tensor(t, allowed, what) for t in tensors]
     first = checked[0]
     # is_cpu and dtype first: reading tensor.device builds an object per tensor.
