@@ -704,7 +704,9 @@ def grouped_allreduce(
         compressed, contexts = zip(*(compression.compress(t) for t in tensors)) if tensors else (
             (), ()
         )
-    if all(_no_grad_flows(t) for t in compressed):
+    if not torch.is_grad_enabled() or not any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in compressed
+    ):
         # As in allreduce: no autograd node where no gradient can flow.
         handle = _allreduce_group(
             compressed, None, name, reduce_op, prescale_factor, postscale_factor,
