@@ -15,6 +15,7 @@ from baguahvd.common.ops import ReduceOp
 from baguahvd.engine import execute
 from baguahvd.engine.cache import Lookup, ResponseCache
 from baguahvd.engine.completion import CollectiveFailure, Completions
+from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, RequestMeta, Response, build_response
 from baguahvd.engine.requests import Request
 
@@ -523,6 +524,23 @@ def test_a_handle_tells_the_engine_before_it_blocks() -> None:
     assert handle.wait() == [] and calls == [1]
     # A finished handle does not block, so the engine is not told.
     assert handle.wait() == [] and calls == [1]
+
+
+def test_a_blocking_request_wakes_the_engine_when_its_caller_waits() -> None:
+    queue = RequestQueue(0)
+    asynchronous = Request(_meta(0, name="allreduce.a"), [], None)
+    queue.put(asynchronous, lambda: None)
+    assert queue.wake.is_set() and not queue.flush.is_set()
+    queue.take()
+    queue.wake.clear()
+    blocking = Request(_meta(0, name="allreduce.b"), [], None)
+    queue.put(blocking, lambda: None, blocking=True)
+    assert not queue.wake.is_set() and not queue.flush.is_set()
+    threading.Timer(0.05, blocking.handle.complete, args=([],)).start()
+    assert blocking.handle.wait() == []
+    # Its caller waited: the burst is over and the cycle starts.
+    assert queue.wake.is_set() and queue.flush.is_set()
+    assert [r.meta.name for r in queue.take()] == ["allreduce.b"]
 
 
 def test_scaled_helper() -> None:
