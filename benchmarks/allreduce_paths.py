@@ -5,9 +5,13 @@ Run under MPI with two ranks on one machine (shared memory)::
     mpirun -np 2 python benchmarks/allreduce_paths.py              # 16 KB, 1 MB, 16 MB, 64 MB
     mpirun -np 2 python benchmarks/allreduce_paths.py --repeats 11 --sizes 16M 64M 256M
 
-Two raw baselines, both honest: ``Allreduce(IN_PLACE, buf)`` on one reused buffer, and
+Three raw baselines, all honest: ``Allreduce(IN_PLACE, buf)`` on one reused NumPy buffer,
 ``Allreduce(send, out)`` into a freshly allocated NumPy array (what an out-of-place result
-costs when MPI fills new memory: its page faults included). Against them, on float32:
+costs when MPI fills new memory: its page faults included), and ``Allreduce(IN_PLACE, buf)``
+on the memory of a torch tensor (``tensor.numpy()``). NumPy advises transparent huge pages
+for its arrays of 4 MB and more and torch does not; Open MPI's single-copy transfers between
+ranks run faster on huge pages, so from 4 MB on the two in-place baselines differ, and the
+torch one is what raw MPI costs on the tensors baguahvd is given. Against them, on float32:
 ``hvd.allreduce`` out of place with ``Sum`` and with ``Average``, and ``hvd.allreduce_`` in
 place with ``Sum``. The grouped rows reduce 256 tensors of 16 KB (``--count``, ``--each``)
 as ``hvd.grouped_allreduce``, as 256 named ``allreduce_async`` + ``synchronize`` and as 256
@@ -79,12 +83,13 @@ def _load() -> str:
 
 def _table(title: str, names: list[str], times: list[float], raw: int) -> list[str]:
     lines = [title]
-    base_in, base_fresh = times[0], times[1]
+    base_in, base_fresh, base_torch = times[0], times[1], times[2]
     for index, (name, seconds) in enumerate(zip(names, times)):
-        line = f"  {name:<34} {seconds * 1e3:9.3f} ms"
+        line = f"  {name:<38} {seconds * 1e3:9.3f} ms"
         if index >= raw:
             line += f"   vs in-place {base_in / seconds:5.2f}"
             line += f"   vs fresh {base_fresh / seconds:5.2f}"
+            line += f"   vs torch in-place {base_torch / seconds:5.2f}"
         lines.append(line)
     return lines
 
@@ -113,6 +118,7 @@ def main() -> None:
         send = torch.full((count,), float(rank + 1))
         send_np = send.numpy()
         inplace = np.zeros(count, dtype=np.float32)
+        torch_inplace = torch.zeros(count).numpy()
         ours_inplace = torch.zeros(count)
         total = size * (size + 1) / 2
         _check(hvd.allreduce(send, op=hvd.Sum, name="check.sum"), total, "Sum")
@@ -125,19 +131,22 @@ def main() -> None:
         variants: list[Variant] = [
             ("raw Allreduce in place", lambda: comm.Allreduce(MPI.IN_PLACE, inplace, op=MPI.SUM)),
             ("raw Allreduce into a fresh array", raw_fresh),
+            ("raw Allreduce in place, torch memory",
+             lambda: comm.Allreduce(MPI.IN_PLACE, torch_inplace, op=MPI.SUM)),
             ("hvd.allreduce Sum", lambda: hvd.allreduce(send, op=hvd.Sum, name="sum")),
             ("hvd.allreduce Average", lambda: hvd.allreduce(send, name="avg")),
             ("hvd.allreduce_ Sum (in place)",
              lambda: hvd.allreduce_(ours_inplace, op=hvd.Sum, name="inplace")),
         ]
         times = _interleaved(variants, _iterations(nbytes), args.repeats, comm)
-        lines += _table(_human(nbytes), [n for n, _ in variants], times, raw=2)
+        lines += _table(_human(nbytes), [n for n, _ in variants], times, raw=3)
 
     n, each = args.count, _size(args.each) // 4
     tensors = [torch.full((each,), float(rank + i)) for i in range(n)]
     zeros = [torch.zeros(each) for _ in range(n)]
     flat = torch.cat(tensors).numpy()
     flat_inplace = np.zeros(n * each, dtype=np.float32)
+    flat_torch = torch.zeros(n * each).numpy()
     names = [f"fused.{i}" for i in range(n)]
     names_ = [f"fused_.{i}" for i in range(n)]
     for i, result in enumerate(hvd.grouped_allreduce(tensors, op=hvd.Sum, name="check.group")):
@@ -157,6 +166,8 @@ def main() -> None:
         ("raw Allreduce in place", lambda: comm.Allreduce(MPI.IN_PLACE, flat_inplace, op=MPI.SUM)),
         ("raw Allreduce into a fresh array",
          lambda: comm.Allreduce(flat, np.empty_like(flat), op=MPI.SUM)),
+        ("raw Allreduce in place, torch memory",
+         lambda: comm.Allreduce(MPI.IN_PLACE, flat_torch, op=MPI.SUM)),
         ("hvd.grouped_allreduce Sum",
          lambda: hvd.grouped_allreduce(tensors, op=hvd.Sum, name="group")),
         (f"{n} allreduce_async + synchronize", async_many),
@@ -164,7 +175,7 @@ def main() -> None:
     ]
     times = _interleaved(variants, max(3, (64 << 20) // (n * each * 4)), args.repeats, comm)
     title = f"{n} x {_human(each * 4)} against one raw call of {_human(n * each * 4)}"
-    lines += _table(title, [v[0] for v in variants], times, raw=2)
+    lines += _table(title, [v[0] for v in variants], times, raw=3)
     lines.append(_load())
     if rank == 0:
         print("\n".join(lines), flush=True)

@@ -113,7 +113,8 @@ def op_table(nccl: Any) -> dict[ReduceOp, int]:
 
 
 def is_cuda(tensor: torch.Tensor) -> bool:
-    return tensor.device.type == "cuda"
+    # The attribute, not tensor.device: that builds an object, on every submission.
+    return bool(tensor.is_cuda)
 
 
 def tensor_device(tensor: torch.Tensor) -> torch.device:

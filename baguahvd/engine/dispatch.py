@@ -102,6 +102,9 @@ class Dispatcher:
 
     def mark(self, request: Request) -> None:
         """Notes where a submission stands in its submitter's CUDA stream (user thread)."""
+        meta = request.meta
+        if meta.device == "CPU" and meta.op != OpType.JOIN:
+            return
         mark = cuda_support.mark_submission(request.inputs)
         request.mark = mark
         if mark is not None:

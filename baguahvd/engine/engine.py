@@ -326,6 +326,7 @@ class Engine:
         root: int = -1,
         splits: Sequence[int] | None = None,
         payload: Sequence[int] = (),
+        blocking: bool = False,
     ) -> Handle:
         """Queues a collective and returns its handle.
 
@@ -340,6 +341,8 @@ class Engine:
                 set.
             root: broadcast root as a rank of the process set.
             splits: alltoall splits (dim-0 slices per member).
+            blocking: the caller waits for the handle right away: the engine thread is
+                woken when it does, once, rather than at the submission too.
         """
         stopped = self._lifecycle.error
         if stopped is not None:
@@ -358,7 +361,7 @@ class Engine:
             return request.handle
         # Single-member sets run here, in this thread's stream order: nothing to mark.
         self._dispatch.mark(request)
-        self._queue.put(request, self._stop_error)
+        self._queue.put(request, self._stop_error, blocking)
         return request.handle
 
     def take_place(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from baguahvd.backends import memory
 from baguahvd.backends.base import Communicator
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.messages import Response
@@ -82,10 +83,21 @@ class FusionBuffers:
             OrderedDict()
         )
 
-    def get(self, dtype: torch.dtype, count: int, device: torch.device) -> torch.Tensor:
+    def get(
+        self, dtype: torch.dtype, count: int, device: torch.device, host: bool = False
+    ) -> torch.Tensor:
+        """The buffer of ``dtype`` on ``device``, at least ``count`` long; ``host``: a CPU
+        buffer, allocated on huge pages (see :func:`~baguahvd.backends.memory.empty_huge`)."""
         buffer = self._buffers.get((dtype, device))
         if buffer is None or buffer.numel() < count:
-            buffer = torch.empty(count, dtype=dtype, device=device)
+            # A normal tensor even when the first fused unit runs in inference mode: an
+            # inference tensor could not be written by the later units that do not.
+            with torch.inference_mode(False):
+                buffer = (
+                    memory.empty_huge(count, dtype)
+                    if host
+                    else torch.empty(count, dtype=dtype, device=device)
+                )
             self._buffers[(dtype, device)] = buffer
             # Views of the old buffer would keep it alive.
             for layout in [k for k in self._layouts if k[0] == dtype and k[1] == device]:
@@ -93,17 +105,18 @@ class FusionBuffers:
         return buffer[:count]
 
     def views(
-        self, dtype: torch.dtype, device: torch.device, shapes: tuple[tuple[int, ...], ...]
+        self, dtype: torch.dtype, device: torch.device, shapes: tuple[tuple[int, ...], ...],
+        host: bool = False,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The flat buffer for tensors of ``shapes`` (in order), and a view of it shaped as
-        each tensor."""
+        each tensor; ``host`` as for :meth:`get`."""
         layout = (dtype, device, shapes)
         found = self._layouts.get(layout)
         if found is not None:
             self._layouts.move_to_end(layout)
             return found
         counts = [numel(shape) for shape in shapes]
-        buffer = self.get(dtype, sum(counts), device)
+        buffer = self.get(dtype, sum(counts), device, host)
         # split() makes the flat views in one call; only the others need a second view.
         views = [
             part if len(shape) == 1 else part.view(shape)
@@ -210,7 +223,7 @@ def allreduce(
         return
     phase("MEMCPY_IN_FUSION_BUFFER")
     shapes = tuple(shape for entry in entries for shape in entry[0].shapes)
-    buffer, views = buffers.views(dtype, inputs[0].device, shapes)
+    buffer, views = buffers.views(dtype, inputs[0].device, shapes, first.device == "CPU")
     # One call each way rather than a copy per tensor: fewer GIL round trips while the
     # training thread is busy submitting.
     _copy_all(views, inputs)

@@ -164,9 +164,18 @@ class RequestQueue:
             if request.ident in self._inflight:
                 raise DuplicateNameError(request.meta.name)
 
-    def put(self, request: Request, stopped: Callable[[], BaseException | None]) -> None:
-        """Queues ``request`` for the engine thread; raises ``stopped()`` when not None."""
-        request.handle.on_wait = self.flush.set
+    def put(
+        self, request: Request, stopped: Callable[[], BaseException | None],
+        blocking: bool = False,
+    ) -> None:
+        """Queues ``request`` for the engine thread; raises ``stopped()`` when not None.
+
+        A ``blocking`` request's caller waits for it at once: the engine thread is woken
+        when it does (its handle's ``on_wait``), with the submitting thread already off the
+        GIL, rather than now, when it would wake only to wait for the GIL and then for the
+        flush. Should the caller not wait, the next cycle (``cycle_time_ms``) takes it.
+        """
+        request.handle.on_wait = self._blocked if blocking else self.flush.set
         with self.lock:
             error = stopped()
             if error is not None:
@@ -189,8 +198,13 @@ class RequestQueue:
             self._last_arrival = time.perf_counter()
         # The engine takes the whole queue at once: only the first request of a batch needs
         # to wake it (see let_burst_finish for the rest).
-        if len(queue) == 1:
+        if len(queue) == 1 and not blocking:
             self.wake.set()
+
+    def _blocked(self) -> None:
+        """A blocking request's caller waits: its burst is over, and the cycle starts."""
+        self.flush.set()
+        self.wake.set()
 
     def take(self) -> list[Request]:
         """Everything queued so far (engine thread, at the start of a cycle)."""

@@ -271,10 +271,27 @@ def _check_group(tensors: Any, allowed: frozenset[torch.dtype], what: str) -> li
     tensors = list(tensors)
     if not tensors:
         raise ValueError(f"{what} expects a non-empty list of tensors.")
+    first = tensors[0]
+    if isinstance(first, torch.Tensor) and first.is_cpu and first.dtype in allowed:
+        # The common case in one pass: dense contiguous CPU tensors of the first one's
+        # dtype. Anything else goes through the per-tensor checks, which name the problem.
+        dtype, strided = first.dtype, torch.strided
+        if all(
+            isinstance(t, torch.Tensor) and t.dtype is dtype and t.is_cpu
+            and t.layout is strided and t.is_contiguous()
+            for t in tensors
+        ):
+            return tensors
     checked = [_check_tensor(t, allowed, what) for t in tensors]
-    if len({t.device for t in checked}) > 1:
+    first = checked[0]
+    # is_cpu and dtype first: reading tensor.device builds an object per tensor.
+    if first.is_cpu:
+        if not all(t.is_cpu for t in checked):
+            raise _ArgumentError("Tensors in list must be on same device.")
+    elif len({t.device for t in checked}) > 1:
         raise _ArgumentError("Tensors in list must be on same device.")
-    if len({t.dtype for t in checked}) > 1:
+    dtype = first.dtype
+    if not all(t.dtype is dtype for t in checked):
         raise ValueError(
             f"{what} expects tensors of one dtype, got {sorted({str(t.dtype) for t in checked})}."
         )
@@ -318,6 +335,14 @@ def _check_adasum(engine: Engine, process_set_id: int, tensors: Sequence[torch.T
     for tensor in tensors:
         if not tensor.is_floating_point():
             raise ValueError(f"Adasum needs floating-point tensors, got {tensor.dtype}.")
+
+
+def _no_grad_flows(tensor: Any) -> bool:
+    """Whether no gradient can flow through ``tensor`` here (differentiable collectives
+    then skip their autograd node). A non-tensor goes on to the checks that name it."""
+    return not (isinstance(tensor, torch.Tensor) and tensor.requires_grad) or (
+        not torch.is_grad_enabled()
+    )
 
 
 def _register(handle: Handle, finish: Callable[[Handle], Any]) -> int:
@@ -387,6 +412,7 @@ def _allreduce_submit(
     prescale_factor: float,
     postscale_factor: float,
     process_set: ProcessSet,
+    blocking: bool = False,
 ) -> Handle:
     reduce_op = _resolve_op(average, op)
     engine = runtime.require_engine()
@@ -403,7 +429,55 @@ def _allreduce_submit(
         reduce_op=reduce_op,
         prescale=prescale_factor,
         postscale=postscale_factor,
+        blocking=blocking,
     )
+
+
+def _allreduce_one(
+    tensor: torch.Tensor,
+    average: bool | None,
+    name: str | None,
+    op: int | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    in_place: bool,
+    blocking: bool,
+) -> Handle:
+    """Submits the allreduce of one tensor; ``blocking``: the caller waits for it at once."""
+    tensor = _check_tensor(tensor, _REDUCIBLE, "allreduce")
+    # Contiguous already, so preserving its format gives a contiguous output.
+    output = tensor if in_place else memory.empty_like(tensor)
+    return _allreduce_submit(
+        [tensor], [output], "allreduce", average, name, op, prescale_factor,
+        postscale_factor, process_set, blocking,
+    )
+
+
+def _allreduce_group(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None,
+    name: str | None,
+    op: int | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+    in_place: bool,
+    blocking: bool,
+) -> Handle:
+    """Submits a grouped allreduce; ``blocking``: the caller waits for it at once."""
+    tensors = _check_group(tensors, _REDUCIBLE, "grouped_allreduce")
+    outputs = tensors if in_place else [memory.empty_like(t) for t in tensors]
+    return _allreduce_submit(
+        tensors, outputs, "grouped_allreduce", average, name, op, prescale_factor,
+        postscale_factor, process_set, blocking,
+    )
+
+
+def _waited(handle: Handle) -> list[torch.Tensor]:
+    result = handle.wait()
+    assert result is not None
+    return result
 
 
 @_takes_its_place(OpType.ALLREDUCE, "allreduce")
@@ -417,12 +491,9 @@ def allreduce_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Starts an out-of-place allreduce; see :func:`allreduce`. Returns a handle."""
-    tensor = _check_tensor(tensor, _REDUCIBLE, "allreduce")
-    # Contiguous already, so preserving its format gives a contiguous output.
-    output = memory.empty_like(tensor)
-    handle = _allreduce_submit(
-        [tensor], [output], "allreduce", average, name, op, prescale_factor,
-        postscale_factor, process_set,
+    handle = _allreduce_one(
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+        in_place=False, blocking=False,
     )
     return _register(handle, _first)
 
@@ -438,10 +509,9 @@ def allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Starts an in-place allreduce of ``tensor``; see :func:`allreduce`. Returns a handle."""
-    tensor = _check_tensor(tensor, _REDUCIBLE, "allreduce")
-    handle = _allreduce_submit(
-        [tensor], [tensor], "allreduce", average, name, op, prescale_factor,
-        postscale_factor, process_set,
+    handle = _allreduce_one(
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+        in_place=True, blocking=False,
     )
     return _register(handle, _first)
 
@@ -460,11 +530,11 @@ class _AllreduceFunction(torch.autograd.Function):
         ctx.op = op
         ctx.factors = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        return synchronize(
-            allreduce_async(
-                tensor, None, name, op, prescale_factor, postscale_factor, process_set
-            )
+        handle = _allreduce_one(
+            tensor, None, name, op, prescale_factor, postscale_factor, process_set,
+            in_place=False, blocking=True,
         )
+        return _waited(handle)[0]
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
@@ -513,12 +583,21 @@ def allreduce(
     """
     reduce_op = _resolve_op(average, op)
     compressed, context = compression.compress(tensor)
-    summed = _AllreduceFunction.apply(
-        compressed, name, reduce_op, prescale_factor, postscale_factor, process_set
-    )
+    if _no_grad_flows(compressed):
+        # Building the autograd node costs as much as a small collective's own work.
+        handle = _allreduce_one(
+            compressed, None, name, reduce_op, prescale_factor, postscale_factor,
+            process_set, in_place=False, blocking=True,
+        )
+        summed = _waited(handle)[0]
+    else:
+        summed = _AllreduceFunction.apply(
+            compressed, name, reduce_op, prescale_factor, postscale_factor, process_set
+        )
     return compression.decompress(summed, context)
 
 
+@_takes_its_place(OpType.ALLREDUCE, "allreduce")
 def allreduce_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -529,11 +608,11 @@ def allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """In-place :func:`allreduce`; returns ``tensor`` itself. Not differentiable."""
-    return synchronize(
-        allreduce_async_(
-            tensor, average, name, op, prescale_factor, postscale_factor, process_set
-        )
+    handle = _allreduce_one(
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set,
+        in_place=True, blocking=True,
     )
+    return _waited(handle)[0]
 
 
 @_takes_its_place(OpType.ALLREDUCE, "grouped_allreduce")
@@ -548,11 +627,9 @@ def grouped_allreduce_async(
 ) -> int:
     """Starts an out-of-place allreduce of a list of tensors as one unit; see
     :func:`grouped_allreduce`."""
-    tensors = _check_group(tensors, _REDUCIBLE, "grouped_allreduce")
-    outputs = [memory.empty_like(t) for t in tensors]
-    handle = _allreduce_submit(
-        tensors, outputs, "grouped_allreduce", average, name, op, prescale_factor,
-        postscale_factor, process_set,
+    handle = _allreduce_group(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set,
+        in_place=False, blocking=False,
     )
     return _register(handle, _as_tuple)
 
@@ -568,10 +645,9 @@ def grouped_allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Starts an in-place grouped allreduce; see :func:`grouped_allreduce`."""
-    tensors = _check_group(tensors, _REDUCIBLE, "grouped_allreduce")
-    handle = _allreduce_submit(
-        tensors, tensors, "grouped_allreduce", average, name, op, prescale_factor,
-        postscale_factor, process_set,
+    handle = _allreduce_group(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set,
+        in_place=True, blocking=False,
     )
     return _register(handle, _as_tuple)
 
@@ -590,11 +666,11 @@ class _GroupedAllreduceFunction(torch.autograd.Function):
         ctx.op = op
         ctx.factors = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        return synchronize(
-            grouped_allreduce_async(
-                tensors, None, name, op, prescale_factor, postscale_factor, process_set
-            )
+        handle = _allreduce_group(
+            tensors, None, name, op, prescale_factor, postscale_factor, process_set,
+            in_place=False, blocking=True,
         )
+        return tuple(_waited(handle))
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> tuple[Any, ...]:
@@ -622,15 +698,31 @@ def grouped_allreduce(
     """Allreduces a list of tensors as one unit (negotiated and completed together) and
     returns a list of new tensors. Arguments as for :func:`allreduce`; differentiable."""
     reduce_op = _resolve_op(average, op)
-    compressed, contexts = zip(*(compression.compress(t) for t in tensors)) if tensors else (
-        (), ()
-    )
-    reduced = _GroupedAllreduceFunction.apply(
-        name, reduce_op, prescale_factor, postscale_factor, process_set, *compressed
-    )
+    if compression is Compression.none:
+        compressed: Sequence[torch.Tensor] = list(tensors)
+    else:
+        compressed, contexts = zip(*(compression.compress(t) for t in tensors)) if tensors else (
+            (), ()
+        )
+    if not torch.is_grad_enabled() or not any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in compressed
+    ):
+        # As in allreduce: no autograd node where no gradient can flow.
+        handle = _allreduce_group(
+            compressed, None, name, reduce_op, prescale_factor, postscale_factor,
+            process_set, in_place=False, blocking=True,
+        )
+        reduced = _waited(handle)
+    else:
+        reduced = _GroupedAllreduceFunction.apply(
+            name, reduce_op, prescale_factor, postscale_factor, process_set, *compressed
+        )
+    if compression is Compression.none:
+        return list(reduced)
     return [compression.decompress(t, c) for t, c in zip(reduced, contexts)]
 
 
+@_takes_its_place(OpType.ALLREDUCE, "grouped_allreduce")
 def grouped_allreduce_(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
@@ -641,11 +733,11 @@ def grouped_allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> tuple[torch.Tensor, ...]:
     """In-place :func:`grouped_allreduce`; returns the input tensors as a tuple."""
-    return synchronize(
-        grouped_allreduce_async_(
-            tensors, average, name, op, prescale_factor, postscale_factor, process_set
-        )
+    handle = _allreduce_group(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set,
+        in_place=True, blocking=True,
     )
+    return tuple(_waited(handle))
 
 
 @_takes_its_place(OpType.ALLGATHER, "allgather", suffixes=(".indices", ".values"))

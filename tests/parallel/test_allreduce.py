@@ -384,6 +384,26 @@ def test_fused_burst_uses_and_invalidates_cache(rank: int, size: int) -> None:
             assert out.dtype == dtype and torch.equal(out, expected), (i, out, expected)
 
 
+def test_fused_units_of_several_megabytes_are_exact(rank: int, size: int) -> None:
+    # Units large enough for the fusion buffer's huge pages, in three dtypes at once, with
+    # tensors of odd sizes that cut across the buffer's 2 MB pages; out of place and in place.
+    sizes = [(1 << 20) + 3, 5, (1 << 19) - 1, 3 * (1 << 18) + 7, 1, (1 << 20) - 5]
+    dtypes = (torch.float32, torch.float64, torch.int32)
+    for in_place in (False, True):
+        handles = []
+        for d, dtype in enumerate(dtypes):
+            for i, count in enumerate(sizes):
+                x = _burst_input(rank, (count,), dtype, level=i + d)
+                start = hvd.allreduce_async_ if in_place else hvd.allreduce_async
+                handles.append((x, start(x, op=hvd.Sum, name=f"big.{in_place}.{d}.{i}")))
+        for index, (x, handle) in enumerate(handles):
+            d, i = divmod(index, len(sizes))
+            out = hvd.synchronize(handle)
+            assert (out is x) == in_place
+            expected = _burst_expected(size, (sizes[i],), dtypes[d], i + d, hvd.Sum)
+            assert out.dtype == dtypes[d] and torch.equal(out, expected), (d, i)
+
+
 def test_more_names_than_cache_entries(rank: int, size: int) -> None:
     # More names than the response cache holds (HOROVOD_CACHE_CAPACITY, 1024 by default):
     # entries that requests were admitted against get evicted to make room for others.

@@ -304,3 +304,29 @@ def test_async_outputs_are_not_part_of_a_graph(rank: int, size: int) -> None:
     torch.testing.assert_close(outputs[0], torch.full((2,), total))
     torch.testing.assert_close(outputs[1], torch.ones(2))
     torch.testing.assert_close(outputs[4], torch.full((2,), 2 * total))
+
+
+def test_blocking_outputs_join_a_graph_only_where_a_gradient_flows(rank: int, size: int) -> None:
+    total = float(sum(range(1, size + 1)))
+    plain = torch.full((2,), float(rank + 1))
+    leaf = torch.full((2,), float(rank + 1), requires_grad=True)
+    out = hvd.allreduce(plain, op=hvd.Sum, name="grad.flow.plain")
+    assert out.grad_fn is None and not out.requires_grad
+    with torch.no_grad():
+        out = hvd.allreduce(leaf, op=hvd.Sum, name="grad.flow.no_grad")
+    assert out.grad_fn is None and not out.requires_grad
+    torch.testing.assert_close(out, torch.full((2,), total))
+    grouped = hvd.grouped_allreduce([plain, plain * 2], op=hvd.Sum, name="grad.flow.grouped")
+    assert all(t.grad_fn is None and not t.requires_grad for t in grouped)
+    torch.testing.assert_close(grouped[1], torch.full((2,), 2 * total))
+    with torch.no_grad():
+        grouped = hvd.grouped_allreduce([leaf, plain], op=hvd.Sum, name="grad.flow.grouped_ng")
+    assert all(t.grad_fn is None for t in grouped)
+    # A tensor that requires grad still gets its node, mixed with one that does not.
+    out = hvd.allreduce(leaf, op=hvd.Sum, name="grad.flow.leaf")
+    assert out.grad_fn is not None
+    grouped = hvd.grouped_allreduce([plain, leaf], op=hvd.Sum, name="grad.flow.mixed")
+    assert all(t.grad_fn is not None for t in grouped)
+    (out.sum() + grouped[1].sum()).backward()
+    assert leaf.grad is not None
+    torch.testing.assert_close(leaf.grad, torch.full((2,), 2.0 * size))

@@ -15,6 +15,7 @@ from baguahvd.common.ops import ReduceOp
 from baguahvd.engine import execute
 from baguahvd.engine.cache import Lookup, ResponseCache
 from baguahvd.engine.completion import CollectiveFailure, Completions
+from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, RequestMeta, Response, build_response
 from baguahvd.engine.requests import Request
 
@@ -493,6 +494,28 @@ def test_repeated_fused_allreduces_reuse_the_layout_with_fresh_tensors() -> None
             assert torch.equal(request.outputs[0], tensor)
 
 
+def test_a_fusion_buffer_made_in_inference_mode_serves_later_units() -> None:
+    buffers = execute.FusionBuffers()
+    for inference in (True, False, True):
+        with torch.inference_mode(inference):
+            tensors = [torch.full((2, 2), 3.0), torch.full((3,), -1.0)]
+        entries = []
+        for index, tensor in enumerate(tensors):
+            meta = RequestMeta(key=f"t{index}", name=f"allreduce.t{index}",
+                               op=OpType.ALLREDUCE, process_set_id=0, rank=0,
+                               dtype="float32", shapes=(tuple(tensor.shape),))
+            with torch.inference_mode(inference):
+                output = torch.empty_like(tensor)
+            entries.append((build_response([meta], (0,), ()), Request(meta, [tensor], [output])))
+        # As the dispatcher runs a unit: in inference mode when one of its tensors is an
+        # inference tensor, else without grad.
+        with torch.inference_mode() if inference else torch.no_grad():
+            execute.allreduce(SelfCommunicator(), entries, buffers)
+        for (_, request), tensor in zip(entries, tensors):
+            assert request.outputs is not None
+            assert torch.equal(request.outputs[0], tensor)
+
+
 def test_a_handle_tells_the_engine_before_it_blocks() -> None:
     calls: list[int] = []
     handle = Request(_meta(0), [], None).handle
@@ -501,6 +524,23 @@ def test_a_handle_tells_the_engine_before_it_blocks() -> None:
     assert handle.wait() == [] and calls == [1]
     # A finished handle does not block, so the engine is not told.
     assert handle.wait() == [] and calls == [1]
+
+
+def test_a_blocking_request_wakes_the_engine_when_its_caller_waits() -> None:
+    queue = RequestQueue(0)
+    asynchronous = Request(_meta(0, name="allreduce.a"), [], None)
+    queue.put(asynchronous, lambda: None)
+    assert queue.wake.is_set() and not queue.flush.is_set()
+    queue.take()
+    queue.wake.clear()
+    blocking = Request(_meta(0, name="allreduce.b"), [], None)
+    queue.put(blocking, lambda: None, blocking=True)
+    assert not queue.wake.is_set() and not queue.flush.is_set()
+    threading.Timer(0.05, blocking.handle.complete, args=([],)).start()
+    assert blocking.handle.wait() == []
+    # Its caller waited: the burst is over and the cycle starts.
+    assert queue.wake.is_set() and queue.flush.is_set()
+    assert [r.meta.name for r in queue.take()] == ["allreduce.b"]
 
 
 def test_scaled_helper() -> None:

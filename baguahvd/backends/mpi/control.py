@@ -22,6 +22,9 @@ from mpi4py import MPI
 from baguahvd.backends.base import ControlPlane
 from baguahvd.backends.mpi.communicator import MPICommunicator
 
+_SPIN_S = 50e-6
+"""How long a negotiation polls, yielding, before it waits between sleeps."""
+
 # Tags of the alarm communicator (see MPIControlPlane.raise_alarm).
 _TAG_ALARM = 1
 _TAG_ACK = 2
@@ -63,8 +66,18 @@ class MPIControlPlane(ControlPlane):
         """
         result = np.empty_like(words)
         request = self.comm.Iallreduce([words, MPI.BYTE], [result, MPI.BYTE], op=MPI.BAND)
+        test = request.Test
+        # The other ranks' words usually come within microseconds (they are waiting too):
+        # poll, yielding the core, before sleeping; a sleep would end late.
+        spin_end = time.perf_counter() + _SPIN_S
+        while not test():
+            if time.perf_counter() >= spin_end:
+                break
+            os.sched_yield()
+        else:
+            return result
         delay = 5e-6
-        while not request.Test():
+        while not test():
             time.sleep(delay)
             if delay < 1e-4:
                 delay = min(delay * 2, 1e-4)
