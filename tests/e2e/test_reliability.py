@@ -221,7 +221,7 @@ from baguahvd.engine import execute
 original_get = execute.FusionBuffers.get
 original_allgather = execute.allgather
 
-def no_fusion_buffer(self, dtype, count, device):
+def no_fusion_buffer(self, dtype, count, device, host=False):
     raise MemoryError("no room for a fusion buffer of %d elements" % count)
 
 def no_allgather_output(comm, response, request):
