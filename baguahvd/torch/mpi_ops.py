@@ -433,44 +433,32 @@ def _allreduce_submit(
     )
 
 
-def _allreduce_one(
-    tensor: torch.Tensor,
+def _allreduce_start(
+    tensors: Any,
     average: bool | None,
     name: str | None,
     op: int | None,
     prescale_factor: float,
     postscale_factor: float,
     process_set: ProcessSet,
+    *,
+    grouped: bool,
     in_place: bool,
     blocking: bool,
 ) -> Handle:
-    """Submits the allreduce of one tensor; ``blocking``: the caller waits for it at once."""
-    tensor = _check_tensor(tensor, _REDUCIBLE, "allreduce")
-    # Contiguous already, so preserving its format gives a contiguous output.
-    output = tensor if in_place else memory.empty_like(tensor)
+    """Checks and submits an allreduce of one tensor (``grouped`` False: ``tensors`` is that
+    tensor) or of a list as one unit; ``blocking``: the caller waits for it at once."""
+    if grouped:
+        label = "grouped_allreduce"
+        checked = _check_group(tensors, _REDUCIBLE, label)
+    else:
+        label = "allreduce"
+        checked = [_check_tensor(tensors, _REDUCIBLE, label)]
+    # Contiguous already, so preserving their format gives contiguous outputs.
+    outputs = checked if in_place else [memory.empty_like(t) for t in checked]
     return _allreduce_submit(
-        [tensor], [output], "allreduce", average, name, op, prescale_factor,
-        postscale_factor, process_set, blocking,
-    )
-
-
-def _allreduce_group(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None,
-    name: str | None,
-    op: int | None,
-    prescale_factor: float,
-    postscale_factor: float,
-    process_set: ProcessSet,
-    in_place: bool,
-    blocking: bool,
-) -> Handle:
-    """Submits a grouped allreduce; ``blocking``: the caller waits for it at once."""
-    tensors = _check_group(tensors, _REDUCIBLE, "grouped_allreduce")
-    outputs = tensors if in_place else [memory.empty_like(t) for t in tensors]
-    return _allreduce_submit(
-        tensors, outputs, "grouped_allreduce", average, name, op, prescale_factor,
-        postscale_factor, process_set, blocking,
+        checked, outputs, label, average, name, op, prescale_factor, postscale_factor,
+        process_set, blocking,
     )
 
 
@@ -491,9 +479,9 @@ def allreduce_async(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Starts an out-of-place allreduce; see :func:`allreduce`. Returns a handle."""
-    handle = _allreduce_one(
+    handle = _allreduce_start(
         tensor, average, name, op, prescale_factor, postscale_factor, process_set,
-        in_place=False, blocking=False,
+        grouped=False, in_place=False, blocking=False,
     )
     return _register(handle, _first)
 
@@ -509,9 +497,9 @@ def allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Starts an in-place allreduce of ``tensor``; see :func:`allreduce`. Returns a handle."""
-    handle = _allreduce_one(
+    handle = _allreduce_start(
         tensor, average, name, op, prescale_factor, postscale_factor, process_set,
-        in_place=True, blocking=False,
+        grouped=False, in_place=True, blocking=False,
     )
     return _register(handle, _first)
 
@@ -530,9 +518,9 @@ class _AllreduceFunction(torch.autograd.Function):
         ctx.op = op
         ctx.factors = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        handle = _allreduce_one(
+        handle = _allreduce_start(
             tensor, None, name, op, prescale_factor, postscale_factor, process_set,
-            in_place=False, blocking=True,
+            grouped=False, in_place=False, blocking=True,
         )
         return _waited(handle)[0]
 
@@ -585,9 +573,9 @@ def allreduce(
     compressed, context = compression.compress(tensor)
     if _no_grad_flows(compressed):
         # Building the autograd node costs as much as a small collective's own work.
-        handle = _allreduce_one(
+        handle = _allreduce_start(
             compressed, None, name, reduce_op, prescale_factor, postscale_factor,
-            process_set, in_place=False, blocking=True,
+            process_set, grouped=False, in_place=False, blocking=True,
         )
         summed = _waited(handle)[0]
     else:
@@ -608,9 +596,9 @@ def allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """In-place :func:`allreduce`; returns ``tensor`` itself. Not differentiable."""
-    handle = _allreduce_one(
+    handle = _allreduce_start(
         tensor, average, name, op, prescale_factor, postscale_factor, process_set,
-        in_place=True, blocking=True,
+        grouped=False, in_place=True, blocking=True,
     )
     return _waited(handle)[0]
 
@@ -627,9 +615,9 @@ def grouped_allreduce_async(
 ) -> int:
     """Starts an out-of-place allreduce of a list of tensors as one unit; see
     :func:`grouped_allreduce`."""
-    handle = _allreduce_group(
+    handle = _allreduce_start(
         tensors, average, name, op, prescale_factor, postscale_factor, process_set,
-        in_place=False, blocking=False,
+        grouped=True, in_place=False, blocking=False,
     )
     return _register(handle, _as_tuple)
 
@@ -645,9 +633,9 @@ def grouped_allreduce_async_(
     process_set: ProcessSet = global_process_set,
 ) -> int:
     """Starts an in-place grouped allreduce; see :func:`grouped_allreduce`."""
-    handle = _allreduce_group(
+    handle = _allreduce_start(
         tensors, average, name, op, prescale_factor, postscale_factor, process_set,
-        in_place=True, blocking=False,
+        grouped=True, in_place=True, blocking=False,
     )
     return _register(handle, _as_tuple)
 
@@ -666,9 +654,9 @@ class _GroupedAllreduceFunction(torch.autograd.Function):
         ctx.op = op
         ctx.factors = (prescale_factor, postscale_factor)
         ctx.process_set = process_set
-        handle = _allreduce_group(
+        handle = _allreduce_start(
             tensors, None, name, op, prescale_factor, postscale_factor, process_set,
-            in_place=False, blocking=True,
+            grouped=True, in_place=False, blocking=True,
         )
         return tuple(_waited(handle))
 
@@ -708,9 +696,9 @@ def grouped_allreduce(
         isinstance(t, torch.Tensor) and t.requires_grad for t in compressed
     ):
         # As in allreduce: no autograd node where no gradient can flow.
-        handle = _allreduce_group(
+        handle = _allreduce_start(
             compressed, None, name, reduce_op, prescale_factor, postscale_factor,
-            process_set, in_place=False, blocking=True,
+            process_set, grouped=True, in_place=False, blocking=True,
         )
         reduced = _waited(handle)
     else:
@@ -733,9 +721,9 @@ def grouped_allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> tuple[torch.Tensor, ...]:
     """In-place :func:`grouped_allreduce`; returns the input tensors as a tuple."""
-    handle = _allreduce_group(
+    handle = _allreduce_start(
         tensors, average, name, op, prescale_factor, postscale_factor, process_set,
-        in_place=True, blocking=True,
+        grouped=True, in_place=True, blocking=True,
     )
     return tuple(_waited(handle))
 
