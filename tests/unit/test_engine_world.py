@@ -231,6 +231,8 @@ def test_a_stall_past_the_shutdown_time_ends_the_job_on_every_rank() -> None:
             with pytest.raises(StallError) as info:
                 handle.wait()
             assert info.value.missing == {"allreduce.lonely": [2]}
+        # Rank 2 hears of the shutdown in its own cycle, which may end after the others'.
+        _wait_for(lambda: job.engines[2].state is State.FAILED)
         with pytest.raises(StallError):
             _allreduce(job.engines[2], torch.ones(1), "lonely")
     finally:
