@@ -7,11 +7,14 @@ which cached collectives everybody has submitted, and a second vector of bits sa
 entries some rank found stale (same name, different shape/dtype/...), so all ranks evict
 them and negotiate those names in full again.
 
-What may be cached is one rule (:func:`may_cache`): named data collectives. Unnamed requests
-are matched by their order, so their keys mean nothing from one step to the next; barriers,
-joins and process-set changes are rare and carry no shape worth skipping. A response is
-cached only when it ran (no error) with every member submitting (no joined rank), see
-:func:`response_cacheable`.
+What may be cached is one rule (:func:`cache_key`): named data collectives, under their
+name, and unnamed allreduces of the global set, under what they reduce (dtype, shapes,
+device, op and factors). Unnamed requests are paired by their order, so their own keys
+mean nothing from one step to the next; the negotiator lets only the oldest unnamed request
+of a rank use the cache (see :mod:`~baguahvd.engine.negotiation`), so the ranks' bits still
+pair the n-th unnamed call of every rank. Barriers, joins and process-set changes are rare
+and carry no shape worth skipping. A response is cached only when it ran (no error) with
+every member submitting (no joined rank), see :func:`response_cacheable`.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import dataclasses
 import enum
 import heapq
 from collections import OrderedDict
+from collections.abc import Hashable
 
 import numpy as np
 
-from baguahvd.engine.messages import OpType, Response
+from baguahvd.engine.messages import OpType, RequestMeta, Response
 
 CACHEABLE_OPS = frozenset(
     {OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL, OpType.REDUCESCATTER}
@@ -32,16 +36,41 @@ UNNAMED_PREFIX = "noname."
 """Negotiation keys of unnamed requests start with this."""
 
 
+GLOBAL_SET = 0
+"""The process set whose unnamed allreduces may be cached."""
+
+
 def may_cache(op: OpType, key: str) -> bool:
-    """Whether a collective of ``op`` negotiated under ``key`` may use the cache."""
+    """Whether a named collective of ``op`` negotiated under ``key`` may use the cache
+    (unnamed ones: see :func:`cache_key`)."""
     return op in CACHEABLE_OPS and not key.startswith(UNNAMED_PREFIX)
+
+
+def is_unnamed(key: str) -> bool:
+    return key.startswith(UNNAMED_PREFIX)
+
+
+def cache_key(item: RequestMeta | Response) -> Hashable | None:
+    """The key a request (or the response it got) is cached under, None if never cached:
+    the negotiation key of a named data collective; for an unnamed allreduce of the global
+    set, everything its response holds besides its name, the same on every rank."""
+    op = item.op
+    if op not in CACHEABLE_OPS:
+        return None
+    key = item.key
+    if not key.startswith(UNNAMED_PREFIX):
+        return key
+    if op != OpType.ALLREDUCE or item.process_set_id != GLOBAL_SET:
+        return None
+    return (
+        UNNAMED_PREFIX, item.dtype, item.shapes, item.device, item.reduce_op, item.prescale,
+        item.postscale,
+    )
 
 
 def response_cacheable(response: Response) -> bool:
     """Whether every rank caches ``response`` once it has run."""
-    return response.error is None and not response.joined and may_cache(
-        response.op, response.key
-    )
+    return response.error is None and not response.joined and cache_key(response) is not None
 
 
 class Lookup(enum.Enum):
@@ -52,6 +81,7 @@ class Lookup(enum.Enum):
 
 @dataclasses.dataclass
 class _Entry:
+    key: Hashable
     response: Response
     signature: tuple[object, ...] | None
     """This rank's own request signature; None where this rank had no request."""
@@ -63,7 +93,7 @@ class ResponseCache:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._entries: dict[int, _Entry] = {}
-        self._slots: dict[tuple[int, str], int] = {}
+        self._slots: dict[tuple[int, Hashable], int] = {}
         self._recent: OrderedDict[int, None] = OrderedDict()
         self._free = list(range(capacity))
         # Slots whose process set does not include this rank: their bit is always set, so
@@ -73,9 +103,9 @@ class ResponseCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, process_set_id: int, key: str, signature: tuple[object, ...]) -> tuple[
-        Lookup, int
-    ]:
+    def lookup(
+        self, process_set_id: int, key: Hashable, signature: tuple[object, ...] | None
+    ) -> tuple[Lookup, int]:
         slot = self._slots.get((process_set_id, key))
         if slot is None:
             return Lookup.MISS, -1
@@ -87,14 +117,19 @@ class ResponseCache:
         return self._entries[slot].response
 
     def put(
-        self, response: Response, signature: tuple[object, ...] | None, member: bool
+        self,
+        response: Response,
+        signature: tuple[object, ...] | None,
+        member: bool,
+        key: Hashable | None = None,
     ) -> list[int]:
-        """Caches ``response`` (already executed by every rank), evicting the least recently
-        used entry when full. Returns the slots it evicted."""
+        """Caches ``response`` (already executed by every rank) under ``key`` (default: its
+        own), evicting the least recently used entry when full. Returns the slots it
+        evicted."""
         if self.capacity == 0:
             return []
         evicted = []
-        ident = (response.process_set_id, response.key)
+        ident = (response.process_set_id, response.key if key is None else key)
         old = self._slots.get(ident)
         if old is not None:
             self.evict(old)
@@ -104,7 +139,7 @@ class ResponseCache:
             self.evict(oldest)
             evicted.append(oldest)
         slot = heapq.heappop(self._free)
-        self._entries[slot] = _Entry(response, signature)
+        self._entries[slot] = _Entry(ident[1], response, signature)
         self._slots[ident] = slot
         self._recent[slot] = None
         self.not_member[slot] = not member
@@ -128,7 +163,7 @@ class ResponseCache:
         entry = self._entries.pop(slot, None)
         if entry is None:
             return
-        del self._slots[(entry.response.process_set_id, entry.response.key)]
+        del self._slots[(entry.response.process_set_id, entry.key)]
         del self._recent[slot]
         self.not_member[slot] = False
         heapq.heappush(self._free, slot)

@@ -133,6 +133,7 @@ class Engine:
         )
         self._executing: list[Request] = []
         self.cycles = 0
+        """Negotiation cycles run (see :attr:`full_negotiations`)."""
         self.settings = Settings(config.fusion_threshold, config.cycle_time_ms)
         """The fusion threshold and cycle time in use (autotune changes them)."""
         self.settings_changes: list[tuple[int, Settings]] = []
@@ -393,6 +394,12 @@ class Engine:
         )
         request.meta = request.meta._replace(failure=reason)
         self._queue.put(request, self._stop_error)
+
+    @property
+    def full_negotiations(self) -> int:
+        """Cycles whose requests went to rank 0 in full; the others ran from the response
+        cache (or had nothing to run)."""
+        return self._negotiation.exchanges
 
     def _stop_error(self) -> BaseException | None:
         return self._lifecycle.error

@@ -18,6 +18,16 @@ Rank 0 also uses the second step to hand every rank new autotune settings
 send, so the exchange happens, and the decision carries the settings to every rank in the
 same cycle.
 
+Unnamed allreduces of the global set are cached under what they reduce (see
+:mod:`~baguahvd.engine.cache`), which is safe only while the bits pair the n-th unnamed
+call of every rank. So a rank lets only its oldest unnamed request, with no other unnamed
+request of the set pending, wait on the cache (every rank has run the same unnamed
+collectives, so the oldest is the same n everywhere), and two more flag bits say whether
+it has an unnamed request in the full negotiation (then ranks whose oldest waits on the
+cache send it in full too: rank 0 pairs it there) and whether its oldest waits on the
+cache (if every rank's does and no slot is ready, their shapes differ: all send it in full,
+and rank 0 answers with the mismatch error).
+
 The cycle's agreed work is the cached hits (in slot order) followed by rank 0's responses.
 Every rank then caches the same responses in the same order (:meth:`Negotiator.remember`),
 which keeps the caches identical. While a rank has joined, nothing is answered from the
@@ -33,18 +43,29 @@ import numpy as np
 
 from baguahvd.backends.base import ControlPlane
 from baguahvd.engine.autotune import Settings
-from baguahvd.engine.cache import Lookup, ResponseCache, may_cache, response_cacheable
+from baguahvd.engine.cache import (
+    CACHEABLE_OPS,
+    GLOBAL_SET,
+    Lookup,
+    ResponseCache,
+    cache_key,
+    is_unnamed,
+    response_cacheable,
+)
 from baguahvd.engine.coordinator import Coordinator
-from baguahvd.engine.messages import Response
+from baguahvd.engine.messages import RequestMeta, Response
 from baguahvd.engine.notices import Decision, Notice, RankReport
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
 from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline
 
-# Flag bits of the last byte of the negotiation vector; a cleared bit means "yes".
+# Flag bits of the last byte of the negotiation vector; a cleared bit means "yes", except
+# for FLAG_UNNAMED_WAITS, whose AND is set when every rank's is.
 FLAG_NOTHING_TO_SEND = 1
 FLAG_NO_SHUTDOWN = 2
+FLAG_NO_UNNAMED_IN_FULL = 4
+FLAG_UNNAMED_WAITS = 8
 
 Entry = tuple[Response, Request | None]
 """An agreed response and this rank's request for it (None where it has none)."""
@@ -86,6 +107,13 @@ class Negotiator:
         """Slots this rank reports invalid in the next cycle."""
         self.to_send: list[Request] = []
         """Requests to send rank 0 in full in the next cycle."""
+        self.unnamed_pending = 0
+        """Unnamed requests of the global set admitted and not yet run (see module
+        docstring)."""
+        self.exchanges = 0
+        """Cycles that went through rank 0 (the cache answered the others)."""
+        self.unnamed_head: tuple[int, Request] | None = None
+        """The unnamed request waiting on the cache, with its slot (at most one)."""
         self.sent: dict[tuple[int, str], Request] = {}
         """Requests sent to rank 0 and not answered yet."""
         self.join_mode = False
@@ -103,7 +131,7 @@ class Negotiator:
 
     def admit_all(self, requests: list[Request], admit: Callable[[Request], None]) -> None:
         """``admit`` (normally :meth:`admit`) for a cycle's new requests, with the common
-        case (a cache hit) inline."""
+        case (a named cache hit) inline."""
         cache = self.cache
         if self.join_mode or cache.capacity == 0:
             for request in requests:
@@ -115,8 +143,9 @@ class Negotiator:
         traced = timeline is not None and timeline.active
         for request in requests:
             meta = request.meta
-            if may_cache(meta.op, meta.key):
-                found, slot = lookup(meta.process_set_id, meta.key, meta.signature())
+            key = meta.key
+            if not is_unnamed(key) and meta.op in _CACHEABLE:
+                found, slot = lookup(meta.process_set_id, key, meta.signature())
                 if found is Lookup.HIT:
                     waiting[slot] = request
                     if traced:
@@ -128,18 +157,33 @@ class Negotiator:
     def admit(self, request: Request) -> None:
         """Files a new request: as a cache hit, or to be sent to rank 0."""
         meta = request.meta
-        if self.join_mode or self.cache.capacity == 0 or not may_cache(meta.op, meta.key):
+        unnamed = is_unnamed(meta.key) and meta.process_set_id == GLOBAL_SET
+        if unnamed:
+            self.unnamed_pending += 1
+        key = None if self.join_mode or self.cache.capacity == 0 else cache_key(meta)
+        if key is None or (unnamed and self.unnamed_pending > 1):
             self.to_send.append(request)
             return
-        found, slot = self.cache.lookup(meta.process_set_id, meta.key, meta.signature())
+        signature = _anonymous(meta) if unnamed else meta.signature()
+        found, slot = self.cache.lookup(meta.process_set_id, key, signature)
         if found is Lookup.HIT:
             self.waiting_on_cache[slot] = request
+            if unnamed:
+                self.unnamed_head = (slot, request)
             if self.timeline is not None and self.timeline.active:
                 self.timeline.negotiation_started(meta.name, meta.op)
             return
         if found is Lookup.STALE:
             self.stale_slots.add(slot)
         self.to_send.append(request)
+
+    def _head_waits(self) -> bool:
+        """Whether this rank's oldest unnamed request still waits on the cache."""
+        head = self.unnamed_head
+        if head is not None and self.waiting_on_cache.get(head[0]) is head[1]:
+            return True
+        self.unnamed_head = None
+        return False
 
     # -- the cycle --------------------------------------------------------------------------
 
@@ -158,6 +202,14 @@ class Negotiator:
             flags &= ~FLAG_NOTHING_TO_SEND
         if notice is not None:
             flags &= ~FLAG_NO_SHUTDOWN
+        if self.unnamed_pending:
+            head_waits = self._head_waits()
+            if self.unnamed_pending > head_waits:
+                flags &= ~FLAG_NO_UNNAMED_IN_FULL
+            if not head_waits:
+                flags &= ~FLAG_UNNAMED_WAITS
+        else:
+            flags &= ~FLAG_UNNAMED_WAITS
         return np.concatenate(
             [np.packbits(hits), np.packbits(valid), np.array([flags], dtype=np.uint8)]
         )
@@ -187,13 +239,36 @@ class Negotiator:
             (response, waiting(slot, None))
             for slot, response in zip(slots, self.cache.take(slots))
         ]
+        if self.unnamed_pending:
+            self._settle_unnamed(entries, int(agreed[-1]))
         negotiated: list[Response] = []
         if not int(agreed[-1]) & FLAG_NOTHING_TO_SEND:
             negotiated = self.negotiate(None).responses
             sent = self.sent.pop
             for response in negotiated:
-                entries.append((response, sent((response.process_set_id, response.key), None)))
+                request = sent((response.process_set_id, response.key), None)
+                if request is not None and self.unnamed_pending and _counted(request.meta):
+                    self.unnamed_pending -= 1
+                entries.append((response, request))
         return entries, len(negotiated)
+
+    def _settle_unnamed(self, entries: list[Entry], flags: int) -> None:
+        """The cached hits' part of a cycle for unnamed requests: a hit runs under its own
+        name; an oldest unnamed request that stays waiting goes to rank 0 in full when some
+        rank has one there or when every rank's waits (see module docstring)."""
+        for index, (response, request) in enumerate(entries):
+            if request is not None and _counted(request.meta):
+                meta = request.meta
+                entries[index] = (response._replace(key=meta.key, name=meta.name), request)
+                self.unnamed_pending -= 1
+        if not self._head_waits():
+            return
+        if not flags & FLAG_NO_UNNAMED_IN_FULL or flags & FLAG_UNNAMED_WAITS:
+            assert self.unnamed_head is not None
+            slot, request = self.unnamed_head
+            del self.waiting_on_cache[slot]
+            self.unnamed_head = None
+            self.to_send.append(request)
 
     def negotiate(self, notice: Notice | None) -> Decision:
         """Sends the requests to send (and ``notice``) to rank 0; returns its decision."""
@@ -214,6 +289,7 @@ class Negotiator:
 
     def exchange(self, report: RankReport) -> Decision:
         """Sends this rank's report to rank 0 and returns rank 0's decision."""
+        self.exchanges += 1
         gathered = self.control.gather(report)
         decision: Decision | None = None
         if self.coordinator is not None:
@@ -255,8 +331,15 @@ class Negotiator:
         state = self.process_sets.get(response.process_set_id)
         if state is None:
             return
-        signature = None if request is None else request.meta.signature()
-        for slot in self.cache.put(response, signature, state.includes(self.rank)):
+        key = cache_key(response)
+        signature: tuple[object, ...] | None
+        if request is None:
+            signature = None
+        elif is_unnamed(response.key):
+            signature = _anonymous(request.meta)
+        else:
+            signature = request.meta.signature()
+        for slot in self.cache.put(response, signature, state.includes(self.rank), key):
             # A request admitted as a hit on an entry that is now gone (ranks admit requests
             # in different cycles) must be negotiated in full, or it waits on a slot that
             # another name will reuse.
@@ -293,3 +376,18 @@ class Negotiator:
         self.sent.clear()
         self.waiting_on_cache.clear()
         return pending
+
+
+_CACHEABLE = CACHEABLE_OPS
+
+
+def _counted(meta: RequestMeta) -> bool:
+    """Whether ``meta`` is an unnamed request of the global set (counted in
+    :attr:`Negotiator.unnamed_pending`)."""
+    return meta.process_set_id == GLOBAL_SET and is_unnamed(meta.key)
+
+
+def _anonymous(meta: RequestMeta) -> RequestMeta:
+    """An unnamed request's signature: the request without its key and name, which change
+    from one call to the next."""
+    return meta._replace(key="", name="")

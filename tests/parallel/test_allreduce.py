@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import baguahvd.torch as hvd
+from baguahvd.runtime.state import runtime
 from tests.support.tables import REDUCE_OPS, REDUCIBLE
 
 OPS = {op.name.title(): op for op in REDUCE_OPS}
@@ -418,6 +419,89 @@ def test_more_names_than_cache_entries(rank: int, size: int) -> None:
         levels = (torch.arange(count, dtype=torch.float32) + iteration) * size
         expected = (levels + size * (size - 1) // 2).unsqueeze(1).expand(count, 2)
         assert torch.equal(out, expected)
+
+
+# ---------------------------------------------------------------------------------------
+# Unnamed requests and the response cache: paired by their order, answered from the cache
+
+
+def _unnamed_value(index: int, rank: int) -> float:
+    return float(100 * index + rank)
+
+
+def _unnamed_expected(index: int, size: int) -> float:
+    return float(100 * index * size + size * (size - 1) // 2)
+
+
+def test_unnamed_allreduces_of_known_shapes_run_from_the_cache(rank: int, size: int) -> None:
+    engine = runtime.require_engine()
+    specs = [((5,), torch.float32, hvd.Sum), ((3, 2), torch.float64, hvd.Sum),
+             ((5,), torch.float32, hvd.Max)]
+    for _ in range(2):  # the first round is negotiated in full and cached
+        for shape, dtype, op in specs:
+            hvd.allreduce(torch.ones(shape, dtype=dtype), op=op)
+    before = engine.full_negotiations
+    for index in range(30):
+        shape, dtype, op = specs[index % len(specs)]
+        out = hvd.allreduce(torch.full(shape, _unnamed_value(index, rank), dtype=dtype), op=op)
+        expected = (_unnamed_expected(index, size) if op == hvd.Sum
+                    else _unnamed_value(index, size - 1))
+        assert torch.equal(out, torch.full(shape, expected, dtype=dtype)), (index, out)
+    # Every one of the 30 ran from the cache; a stall check may still go to rank 0 once.
+    assert engine.full_negotiations - before <= 1
+
+
+def test_unnamed_calls_pair_in_order_when_ranks_submit_differently(
+    rank: int, size: int
+) -> None:
+    # Rank 0 waits for each call, the others submit the whole sequence at once (their later
+    # calls go to rank 0 in full while rank 0's oldest waits on the cache); one rank is
+    # late now and then. Every result must still pair the n-th call of every rank.
+    count = 40
+    hvd.allreduce(torch.ones(4), op=hvd.Sum)  # cached shape
+    for round_ in range(3):
+        if rank == 0:
+            results = []
+            for index in range(count):
+                results.append(hvd.allreduce(
+                    torch.full((4,), _unnamed_value(index + round_, rank)), op=hvd.Sum))
+        else:
+            handles = []
+            for index in range(count):
+                if rank == size - 1 and index % 9 == 0:
+                    time.sleep(0.01)
+                handles.append(hvd.allreduce_async(
+                    torch.full((4,), _unnamed_value(index + round_, rank)), op=hvd.Sum))
+            results = [hvd.synchronize(handle) for handle in handles]
+        for index, out in enumerate(results):
+            expected = torch.full((4,), _unnamed_expected(index + round_, size))
+            assert torch.equal(out, expected), (round_, index, out)
+
+
+def test_unnamed_mismatch_between_cached_shapes_fails_on_every_rank(
+    rank: int, size: int
+) -> None:
+    # Both shapes are in the cache, so every rank's request waits on a cached entry, each
+    # on a different one: they must go to rank 0, which names the mismatch.
+    for _ in range(2):
+        hvd.allreduce(torch.ones(4), op=hvd.Sum)
+        hvd.allreduce(torch.ones(5), op=hvd.Sum)
+    length = 5 if rank == size - 1 else 4
+    started = time.monotonic()
+    with pytest.raises(hvd.HorovodInternalError, match=r"Mismatched.*\[4\].*\[5\]"):
+        hvd.allreduce(torch.ones(length), op=hvd.Sum)
+    assert time.monotonic() - started < 10
+    out = hvd.allreduce(torch.ones(4), op=hvd.Sum)
+    assert torch.equal(out, torch.full((4,), float(size)))
+
+
+def test_unnamed_request_late_on_one_rank_waits_for_it(rank: int, size: int) -> None:
+    hvd.allreduce(torch.ones(3), op=hvd.Sum)
+    hvd.allreduce(torch.ones(3), op=hvd.Sum)
+    if rank == size - 1:
+        time.sleep(0.3)  # the others' requests wait on the cache for many cycles
+    out = hvd.allreduce(torch.full((3,), float(rank)), op=hvd.Sum)
+    assert torch.equal(out, torch.full((3,), float(size * (size - 1) // 2)))
 
 
 def test_burst_in_place_with_scale_factors(rank: int, size: int) -> None:

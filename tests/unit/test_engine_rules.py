@@ -8,7 +8,7 @@ import pytest
 from baguahvd.backends.base import Communicator, SelfCommunicator
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.common.ops import ReduceOp
-from baguahvd.engine.cache import may_cache, response_cacheable
+from baguahvd.engine.cache import cache_key, may_cache, response_cacheable
 from baguahvd.engine.dispatch import Dispatcher
 from baguahvd.engine.fusion import plan_fusion
 from baguahvd.engine.intake import RequestQueue
@@ -120,7 +120,19 @@ def test_only_responses_that_ran_with_every_member_are_cached() -> None:
     assert response_cacheable(response)
     assert not response_cacheable(response._replace(error="mismatch"))
     assert not response_cacheable(response._replace(joined=(2,)))
-    assert not response_cacheable(response._replace(key="noname.0"))
+
+
+def test_unnamed_allreduces_of_the_global_set_are_cached_under_what_they_reduce() -> None:
+    response, _ = _allreduce("allreduce.w", 1)
+    first = response._replace(key="noname.0", name="allreduce.noname.0")
+    later = response._replace(key="noname.7", name="allreduce.noname.7")
+    assert response_cacheable(first)
+    assert cache_key(first) == cache_key(later) != cache_key(response)
+    assert cache_key(first) != cache_key(first._replace(shapes=((2,),)))
+    assert cache_key(first) != cache_key(first._replace(postscale=0.5))
+    assert cache_key(first._replace(process_set_id=1)) is None
+    assert cache_key(first._replace(op=OpType.ALLGATHER)) is None
+    assert cache_key(response._replace(op=OpType.BARRIER)) is None
 
 
 # ---------------------------------------------------------------------------------------
