@@ -133,7 +133,6 @@ class Engine:
         )
         self._executing: list[Request] = []
         self.cycles = 0
-        """Negotiation cycles run (see :attr:`full_negotiations`)."""
         self.settings = Settings(config.fusion_threshold, config.cycle_time_ms)
         """The fusion threshold and cycle time in use (autotune changes them)."""
         self.settings_changes: list[tuple[int, Settings]] = []
