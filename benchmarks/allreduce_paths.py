@@ -12,8 +12,9 @@ on the memory of a torch tensor (``tensor.numpy()``). NumPy advises transparent 
 for its arrays of 4 MB and more and torch does not; Open MPI's single-copy transfers between
 ranks run faster on huge pages, so from 4 MB on the two in-place baselines differ, and the
 torch one is what raw MPI costs on the tensors baguahvd is given. Against them, on float32:
-``hvd.allreduce`` out of place with ``Sum`` and with ``Average``, and ``hvd.allreduce_`` in
-place with ``Sum``. The grouped rows reduce 256 tensors of 16 KB (``--count``, ``--each``)
+``hvd.allreduce`` out of place with ``Sum`` (named, as DistributedOptimizer names its
+gradients, and unnamed, as scripts often call it) and with ``Average``, and
+``hvd.allreduce_`` in place with ``Sum``. The grouped rows reduce 256 tensors of 16 KB (``--count``, ``--each``)
 as ``hvd.grouped_allreduce``, as 256 named ``allreduce_async`` + ``synchronize`` and as 256
 ``allreduce_async_`` (in place) + ``synchronize``, against one raw call of the same bytes.
 
@@ -134,6 +135,7 @@ def main() -> None:
             ("raw Allreduce in place, torch memory",
              lambda: comm.Allreduce(MPI.IN_PLACE, torch_inplace, op=MPI.SUM)),
             ("hvd.allreduce Sum", lambda: hvd.allreduce(send, op=hvd.Sum, name="sum")),
+            ("hvd.allreduce Sum, unnamed", lambda: hvd.allreduce(send, op=hvd.Sum)),
             ("hvd.allreduce Average", lambda: hvd.allreduce(send, name="avg")),
             ("hvd.allreduce_ Sum (in place)",
              lambda: hvd.allreduce_(ours_inplace, op=hvd.Sum, name="inplace")),
