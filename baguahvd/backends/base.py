@@ -228,6 +228,9 @@ class ControlPlane(abc.ABC):
     def acknowledged(self) -> set[int]:
         """The ranks that have acknowledged this rank's alarm so far; never blocks."""
 
+    abort_name = "an abort of every rank"
+    """How :meth:`abort` ends the job, in the log line that announces it."""
+
     @abc.abstractmethod
     def abort(self, code: int) -> None:
         """Ends every process of the job."""

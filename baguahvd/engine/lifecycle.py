@@ -278,7 +278,7 @@ class Lifecycle:
         return f"{type(error).__name__}: {error}" if error is not None else "a failure"
 
     def abort(self, why: str) -> None:
-        logger.error("ending the job with MPI_Abort: %s", why)
+        logger.error("ending the job with %s: %s", self.control.abort_name, why)
         _flush()
         self.control.abort(1)
 

@@ -3,6 +3,7 @@ configuration, and the arithmetic of ``baguahvd.engine.execute`` on a one-rank g
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -647,3 +648,31 @@ def test_abandoned_units_abort_their_communicator_and_fail_their_handles() -> No
     for request in requests:
         with pytest.raises(ShutDownError):
             request.handle.wait()
+
+
+# ---------------------------------------------------------------------------------------
+# How an abort is announced
+
+
+def test_an_abort_is_logged_with_the_transport_that_ends_the_job(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from baguahvd.backends.gloo.control import GlooControlPlane
+    from baguahvd.backends.mpi.control import MPIControlPlane
+    from baguahvd.engine.lifecycle import Lifecycle
+
+    codes: list[int] = []
+
+    class Control:
+        abort_name = GlooControlPlane.abort_name
+
+        def abort(self, code: int) -> None:
+            codes.append(code)
+
+    lifecycle = Lifecycle(0, 2, Control(), 1.0, lambda error: None)  # type: ignore[arg-type]
+    with caplog.at_level(logging.ERROR, logger="baguahvd"):
+        lifecycle.abort("rank 1 was lost")
+    assert codes == [1]
+    assert "ending the job with a gloo abort" in caplog.text
+    assert "MPI_Abort" not in caplog.text
+    assert MPIControlPlane.abort_name == "MPI_Abort"

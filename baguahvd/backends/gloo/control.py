@@ -168,6 +168,8 @@ class GlooControlPlane(ControlPlane):
                     self._acknowledged.add(rank)
             return set(self._acknowledged)
 
+    abort_name = "a gloo abort (every rank exits at its next poll of the store)"
+
     def abort(self, code: int) -> None:
         """Ends every process of the job: this one now, the others at their next poll."""
         try:

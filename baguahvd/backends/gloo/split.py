@@ -198,6 +198,10 @@ class SplitControlPlane(ControlPlane):
     def acknowledged(self) -> set[int]:
         return self.control.acknowledged()
 
+    @property
+    def abort_name(self) -> str:  # type: ignore[override]
+        return self.control.abort_name
+
     def abort(self, code: int) -> None:
         self.control.abort(code)
 

@@ -173,6 +173,8 @@ class MPIControlPlane(ControlPlane):
             self._outgoing = [r for r in self._outgoing if not r.Test()]
             return set(self._acknowledged)
 
+    abort_name = "MPI_Abort"
+
     def abort(self, code: int) -> None:
         """Ends every process of the job (MPI_Abort on MPI_COMM_WORLD)."""
         MPI.COMM_WORLD.Abort(code)
