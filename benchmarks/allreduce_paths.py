@@ -15,8 +15,9 @@ torch one is what raw MPI costs on the tensors baguahvd is given. Against them, 
 ``hvd.allreduce`` out of place with ``Sum`` (named, as DistributedOptimizer names its
 gradients, and unnamed, as scripts often call it) and with ``Average``, and
 ``hvd.allreduce_`` in place with ``Sum``. The grouped rows reduce 256 tensors of 16 KB
-(``--count``, ``--each``) as ``hvd.grouped_allreduce``, as 256 named ``allreduce_async`` + ``synchronize`` and as 256
-``allreduce_async_`` (in place) + ``synchronize``, against one raw call of the same bytes.
+(``--count``, ``--each``) as ``hvd.grouped_allreduce``, as 256 named ``allreduce_async`` +
+``synchronize`` and as 256 ``allreduce_async_`` (in place) + ``synchronize``, against one raw
+call of the same bytes.
 
 Every repetition runs every variant once, in the same order, each after a barrier; a
 variant's time is the slowest rank's seconds per call, and the table shows the median over
