@@ -103,7 +103,7 @@ class Communicator(abc.ABC):
         op: ReduceOp,
     ) -> None:
         """Reduces ``tensor_in`` over the group and leaves block r (``counts[r]`` elements, in
-        order) on rank r in ``tensor_out``."""
+        order) on rank r in ``tensor_out``; ``op`` as for :meth:`allreduce`."""
 
     @abc.abstractmethod
     def sendrecv(self, tensor_out: torch.Tensor, tensor_in: torch.Tensor, peer: int) -> None:

@@ -337,7 +337,10 @@ def reducescatter_rows(rows: int, group_size: int) -> list[int]:
 def reducescatter(
     comm: Communicator, response: Response, request: Request
 ) -> list[torch.Tensor]:
-    op, pre, post = _factors(response, comm.size)
+    native = response.reduce_op == ReduceOp.AVERAGE and comm.reduces_average(
+        DTYPES[response.dtype]
+    )
+    op, pre, post = _factors(response, comm.size, native)
     outputs = []
     for tensor_in in request.inputs:
         rows = reducescatter_rows(tensor_in.shape[0], comm.size)

@@ -63,7 +63,11 @@ def torchrun() -> list[str]:
 
 def test_torchrun(tmp_path: pathlib.Path) -> None:
     command = [*torchrun(), "--nproc-per-node", "2", *DIGITS, str(tmp_path), *EXAMPLE_ARGS]
-    [result] = jobs.run_commands([command], jobs.ROOT, TIMEOUT_S, [{}])
+    # torchrun keeps its logs in a torchelastic_* folder under the temporary directory and
+    # never removes it: give it the test's own.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    [result] = jobs.run_commands([command], jobs.ROOT, TIMEOUT_S, [{"TMPDIR": str(scratch)}])
     assert_ok(result)
     assert "test accuracy" in result.stdout
     check_trained_alike(tmp_path)

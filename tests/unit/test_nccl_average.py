@@ -1,4 +1,5 @@
-"""Average allreduces of CUDA tensors through ``ncclAvg``, against a fake CuPy.
+"""Average allreduces and reducescatters of CUDA tensors through ``ncclAvg``, against a fake
+CuPy.
 
 From NCCL 2.10 on, an Average allreduce of floating tensors without a postscale is one
 ``allReduce`` with NCCL's average op and no scaling pass; with an older NCCL, a postscale or
@@ -178,3 +179,38 @@ def test_only_floating_types_nccl_reduces_are_averaged_natively(
     old = backend.NCCLCommunicator(fake_mpi.members(2)[0])
     _install(monkeypatch, OLD)
     assert not old.reduces_average(torch.float32)
+
+
+def _reducescatter(
+    comm: backend.NCCLCommunicator, tensor: torch.Tensor, **fields: Any
+) -> tuple[list[torch.Tensor], _Ops]:
+    dtype = execute.dtype_name(tensor.dtype)
+    shapes = (tuple(tensor.shape),)
+    response = Response(
+        key="reducescatter.r", name="reducescatter.r", op=OpType.REDUCESCATTER,
+        process_set_id=0, dtype=dtype, shapes=shapes, device="GPU",
+        **{"reduce_op": ReduceOp.AVERAGE, **fields},
+    )
+    meta = RequestMeta(
+        key="reducescatter.r", name="reducescatter.r", op=OpType.REDUCESCATTER,
+        process_set_id=0, rank=0, dtype=dtype, shapes=shapes, device="GPU",
+    )
+    with _recording() as ops:
+        outputs = execute.reducescatter(comm, response, Request(meta, [tensor], None))
+    return outputs, ops
+
+
+@pytest.mark.parametrize(
+    ("version", "fields", "op", "passes"),
+    [(NEW, {}, AVG, 0), (OLD, {}, SUM, 1), (NEW, {"postscale": 3.0}, SUM, 1)],
+    ids=["ncclavg", "old-nccl", "postscale"],
+)
+def test_reducescatter_average_uses_ncclavg_where_allreduce_does(
+    monkeypatch: pytest.MonkeyPatch, version: int, fields: dict[str, float], op: int,
+    passes: int,
+) -> None:
+    fake = _install(monkeypatch, version)
+    outputs, ops = _reducescatter(_bound(fake), torch.ones(4, 3), **fields)
+    assert [call[6] for call in fake.log.of("reduceScatter")] == [op]
+    assert len(ops.scaling()) == passes
+    assert outputs[0].shape == (2, 3)
