@@ -8,11 +8,12 @@ entries some rank found stale (same name, different shape/dtype/...), so all ran
 them and negotiate those names in full again.
 
 What may be cached is one rule (:func:`cache_key`): named data collectives, under their
-name, and unnamed allreduces of the global set, under what they reduce (dtype, shapes,
-device, op and factors). Unnamed requests are paired by their order, so their own keys
-mean nothing from one step to the next; the negotiator lets only the oldest unnamed request
-of a rank use the cache (see :mod:`~baguahvd.engine.negotiation`), so the ranks' bits still
-pair the n-th unnamed call of every rank. Barriers, joins and process-set changes are rare
+name, and unnamed allreduces and broadcasts of the global set, under what they move (op,
+dtype, shapes, device, reduce op, factors and root). Unnamed requests are paired by their
+order, so their own keys mean nothing from one step to the next; the negotiator lets only
+the oldest unnamed request of a rank use the cache (see
+:mod:`~baguahvd.engine.negotiation`), so the ranks' bits still pair the n-th unnamed call of
+every rank. Barriers, joins and process-set changes are rare
 and carry no shape worth skipping. A response is cached only when it ran (no error) with
 every member submitting (no joined rank), see :func:`response_cacheable`.
 """
@@ -37,7 +38,10 @@ UNNAMED_PREFIX = "noname."
 
 
 GLOBAL_SET = 0
-"""The process set whose unnamed allreduces may be cached."""
+"""The process set whose unnamed collectives may be cached."""
+UNNAMED_CACHEABLE_OPS = frozenset({OpType.ALLREDUCE, OpType.BROADCAST})
+"""Unnamed collectives whose response every rank can name from its own request: the same
+shapes on every rank (an allgather's or alltoall's response holds the other ranks' sizes)."""
 
 
 def may_cache(op: OpType, key: str) -> bool:
@@ -52,19 +56,20 @@ def is_unnamed(key: str) -> bool:
 
 def cache_key(item: RequestMeta | Response) -> Hashable | None:
     """The key a request (or the response it got) is cached under, None if never cached:
-    the negotiation key of a named data collective; for an unnamed allreduce of the global
-    set, everything its response holds besides its name, the same on every rank."""
+    the negotiation key of a named data collective; for an unnamed allreduce or broadcast of
+    the global set, everything its response holds besides its name, the same on every
+    rank."""
     op = item.op
     if op not in CACHEABLE_OPS:
         return None
     key = item.key
     if not key.startswith(UNNAMED_PREFIX):
         return key
-    if op != OpType.ALLREDUCE or item.process_set_id != GLOBAL_SET:
+    if op not in UNNAMED_CACHEABLE_OPS or item.process_set_id != GLOBAL_SET:
         return None
     return (
-        UNNAMED_PREFIX, item.dtype, item.shapes, item.device, item.reduce_op, item.prescale,
-        item.postscale,
+        UNNAMED_PREFIX, op, item.dtype, item.shapes, item.device, item.reduce_op, item.prescale,
+        item.postscale, item.root,
     )
 
 

@@ -18,7 +18,7 @@ Rank 0 also uses the second step to hand every rank new autotune settings
 send, so the exchange happens, and the decision carries the settings to every rank in the
 same cycle.
 
-Unnamed allreduces of the global set are cached under what they reduce (see
+Unnamed allreduces and broadcasts of the global set are cached under what they move (see
 :mod:`~baguahvd.engine.cache`), which is safe only while the bits pair the n-th unnamed
 call of every rank. So a rank lets only its oldest unnamed request, with no other unnamed
 request of the set pending, wait on the cache (every rank has run the same unnamed

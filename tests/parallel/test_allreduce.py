@@ -451,6 +451,24 @@ def test_unnamed_allreduces_of_known_shapes_run_from_the_cache(rank: int, size: 
     assert engine.full_negotiations - before <= 1
 
 
+def test_unnamed_broadcasts_run_from_the_cache(rank: int, size: int) -> None:
+    engine = runtime.require_engine()
+    roots = [0, size - 1]
+    for root in roots:  # negotiated in full once per root, then cached
+        hvd.broadcast(torch.zeros(6), root)
+    before = engine.full_negotiations
+    for index in range(20):
+        root = roots[index % 2]
+        out = hvd.broadcast(torch.full((6,), _unnamed_value(index, rank)), root)
+        assert torch.equal(out, torch.full((6,), _unnamed_value(index, root))), (index, out)
+    assert engine.full_negotiations - before <= 1
+    # Ranks that name different roots for the same cached shape fail, every one of them.
+    with pytest.raises(hvd.HorovodInternalError, match="Mismatched.*root"):
+        hvd.broadcast(torch.zeros(6), 0 if rank == 0 else size - 1)
+    out = hvd.broadcast(torch.full((6,), float(rank)), size - 1)
+    assert torch.equal(out, torch.full((6,), float(size - 1)))
+
+
 def test_unnamed_calls_pair_in_order_when_ranks_submit_differently(
     rank: int, size: int
 ) -> None:

@@ -122,7 +122,8 @@ def test_only_responses_that_ran_with_every_member_are_cached() -> None:
     assert not response_cacheable(response._replace(joined=(2,)))
 
 
-def test_unnamed_allreduces_of_the_global_set_are_cached_under_what_they_reduce() -> None:
+def test_unnamed_allreduces_and_broadcasts_of_the_global_set_are_cached_under_what_they_move(
+) -> None:
     response, _ = _allreduce("allreduce.w", 1)
     first = response._replace(key="noname.0", name="allreduce.noname.0")
     later = response._replace(key="noname.7", name="allreduce.noname.7")
@@ -132,6 +133,9 @@ def test_unnamed_allreduces_of_the_global_set_are_cached_under_what_they_reduce(
     assert cache_key(first) != cache_key(first._replace(postscale=0.5))
     assert cache_key(first._replace(process_set_id=1)) is None
     assert cache_key(first._replace(op=OpType.ALLGATHER)) is None
+    broadcast = first._replace(op=OpType.BROADCAST, root=0)
+    assert cache_key(broadcast) not in (None, cache_key(first))
+    assert cache_key(broadcast) != cache_key(broadcast._replace(root=1))
     assert cache_key(response._replace(op=OpType.BARRIER)) is None
 
 
