@@ -44,12 +44,12 @@ import numpy as np
 from baguahvd.backends.base import ControlPlane
 from baguahvd.engine.autotune import Settings
 from baguahvd.engine.cache import (
-    CACHEABLE_OPS,
     GLOBAL_SET,
     Lookup,
     ResponseCache,
     cache_key,
     is_unnamed,
+    may_cache,
     response_cacheable,
 )
 from baguahvd.engine.coordinator import Coordinator
@@ -143,9 +143,8 @@ class Negotiator:
         traced = timeline is not None and timeline.active
         for request in requests:
             meta = request.meta
-            key = meta.key
-            if not is_unnamed(key) and meta.op in _CACHEABLE:
-                found, slot = lookup(meta.process_set_id, key, meta.signature())
+            if may_cache(meta.op, meta.key):
+                found, slot = lookup(meta.process_set_id, meta.key, meta.signature())
                 if found is Lookup.HIT:
                     waiting[slot] = request
                     if traced:
@@ -157,7 +156,7 @@ class Negotiator:
     def admit(self, request: Request) -> None:
         """Files a new request: as a cache hit, or to be sent to rank 0."""
         meta = request.meta
-        unnamed = is_unnamed(meta.key) and meta.process_set_id == GLOBAL_SET
+        unnamed = _counted(meta)
         if unnamed:
             self.unnamed_pending += 1
         key = None if self.join_mode or self.cache.capacity == 0 else cache_key(meta)
@@ -377,8 +376,6 @@ class Negotiator:
         self.waiting_on_cache.clear()
         return pending
 
-
-_CACHEABLE = CACHEABLE_OPS
 
 
 def _counted(meta: RequestMeta) -> bool:
