@@ -47,7 +47,7 @@ shapes on every rank (an allgather's or alltoall's response holds the other rank
 def may_cache(op: OpType, key: str) -> bool:
     """Whether a named collective of ``op`` negotiated under ``key`` may use the cache
     (unnamed ones: see :func:`cache_key`)."""
-    return op in CACHEABLE_OPS and not key.startswith(UNNAMED_PREFIX)
+    return op in CACHEABLE_OPS and not is_unnamed(key)
 
 
 def is_unnamed(key: str) -> bool:
@@ -63,7 +63,7 @@ def cache_key(item: RequestMeta | Response) -> Hashable | None:
     if op not in CACHEABLE_OPS:
         return None
     key = item.key
-    if not key.startswith(UNNAMED_PREFIX):
+    if not is_unnamed(key):
         return key
     if op not in UNNAMED_CACHEABLE_OPS or item.process_set_id != GLOBAL_SET:
         return None

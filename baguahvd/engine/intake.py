@@ -32,7 +32,7 @@ import torch
 from baguahvd.common.exceptions import DuplicateNameError
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine import execute
-from baguahvd.engine.cache import UNNAMED_PREFIX
+from baguahvd.engine.cache import UNNAMED_PREFIX, is_unnamed
 from baguahvd.engine.messages import JOIN_KEY, OpType, RequestMeta
 from baguahvd.engine.requests import Request
 
@@ -90,7 +90,7 @@ class RequestQueue:
         unnamed request after the join would pair with one the others already ran (or
         failed). Named keys are ignored.
         """
-        if not key.startswith(UNNAMED_PREFIX):
+        if not is_unnamed(key):
             return
         number = int(key[len(UNNAMED_PREFIX):])
         with self.lock:

@@ -160,6 +160,7 @@ class SplitControlPlane(ControlPlane):
         self.rank = control.rank
         self.size = control.size
         self.threads_multiple = control.threads_multiple
+        self.abort_name = control.abort_name
 
     def create_group_comm(self, ranks: Sequence[int]) -> Communicator | None:
         """A gloo communicator of ``ranks`` with its twin on the control plane's transport
@@ -197,10 +198,6 @@ class SplitControlPlane(ControlPlane):
 
     def acknowledged(self) -> set[int]:
         return self.control.acknowledged()
-
-    @property
-    def abort_name(self) -> str:  # type: ignore[override]
-        return self.control.abort_name
 
     def abort(self, code: int) -> None:
         self.control.abort(code)
