@@ -13,9 +13,9 @@ dtype, shapes, device, reduce op, factors and root). Unnamed requests are paired
 order, so their own keys mean nothing from one step to the next; the negotiator lets only
 the oldest unnamed request of a rank use the cache (see
 :mod:`~baguahvd.engine.negotiation`), so the ranks' bits still pair the n-th unnamed call of
-every rank. Barriers, joins and process-set changes are rare
-and carry no shape worth skipping. A response is cached only when it ran (no error) with
-every member submitting (no joined rank), see :func:`response_cacheable`.
+every rank. Barriers, joins and process-set changes are rare and carry no shape worth
+skipping. A response is cached only when it ran (no error) with every member submitting (no
+joined rank), see :func:`response_cacheable`.
 """
 
 from __future__ import annotations

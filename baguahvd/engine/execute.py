@@ -131,22 +131,20 @@ class FusionBuffers:
 Entry = tuple[Response, "Request | None"]
 
 
-def _factors(
-    response: Response, group_size: int, native_average: bool = False
-) -> tuple[ReduceOp, float, float]:
-    """The op the communicator runs and the factors applied before and after it.
+def _factors(response: Response, comm: Communicator) -> tuple[ReduceOp, float, float]:
+    """The op ``comm`` runs and the factors applied before and after it.
 
-    AVERAGE stays AVERAGE when ``native_average`` (the communicator averages this dtype in
-    its reduction) and no postscale asks for a scaling pass anyway; otherwise it is SUM with
-    the postscale divided by the group size: one scaling pass after the reduction either way.
-    The prescale applies to the inputs in both cases.
+    AVERAGE stays AVERAGE when ``comm`` averages the response's dtype in its reduction
+    (:meth:`~Communicator.reduces_average`) and no postscale asks for a scaling pass anyway;
+    otherwise it is SUM with the postscale divided by the group size: one scaling pass after
+    the reduction either way. The prescale applies to the inputs in both cases.
     """
     op = response.reduce_op
     post = response.postscale
     if op == ReduceOp.AVERAGE:
-        if native_average and post == 1.0:
+        if post == 1.0 and comm.reduces_average(DTYPES[response.dtype]):
             return ReduceOp.AVERAGE, response.prescale, 1.0
-        return ReduceOp.SUM, response.prescale, post / group_size
+        return ReduceOp.SUM, response.prescale, post / comm.size
     return op, response.prescale, post
 
 
@@ -202,8 +200,7 @@ def allreduce(
             for tensor_in, tensor_out in zip(*_inputs_outputs(entry, dtype, comm, user_device)):
                 adasum(comm, tensor_in, tensor_out, first.prescale, first.postscale)
         return
-    native = first.reduce_op == ReduceOp.AVERAGE and comm.reduces_average(dtype)
-    op, pre, post = _factors(first, comm.size, native)
+    op, pre, post = _factors(first, comm)
     inputs: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []
     for entry in entries:
@@ -337,10 +334,7 @@ def reducescatter_rows(rows: int, group_size: int) -> list[int]:
 def reducescatter(
     comm: Communicator, response: Response, request: Request
 ) -> list[torch.Tensor]:
-    native = response.reduce_op == ReduceOp.AVERAGE and comm.reduces_average(
-        DTYPES[response.dtype]
-    )
-    op, pre, post = _factors(response, comm.size, native)
+    op, pre, post = _factors(response, comm)
     outputs = []
     for tensor_in in request.inputs:
         rows = reducescatter_rows(tensor_in.shape[0], comm.size)

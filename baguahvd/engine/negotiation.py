@@ -163,8 +163,7 @@ class Negotiator:
         if key is None or (unnamed and self.unnamed_pending > 1):
             self.to_send.append(request)
             return
-        signature = _anonymous(meta) if unnamed else meta.signature()
-        found, slot = self.cache.lookup(meta.process_set_id, key, signature)
+        found, slot = self.cache.lookup(meta.process_set_id, key, _signature(meta))
         if found is Lookup.HIT:
             self.waiting_on_cache[slot] = request
             if unnamed:
@@ -331,13 +330,7 @@ class Negotiator:
         if state is None:
             return
         key = cache_key(response)
-        signature: tuple[object, ...] | None
-        if request is None:
-            signature = None
-        elif is_unnamed(response.key):
-            signature = _anonymous(request.meta)
-        else:
-            signature = request.meta.signature()
+        signature = None if request is None else _signature(request.meta)
         for slot in self.cache.put(response, signature, state.includes(self.rank), key):
             # A request admitted as a hit on an entry that is now gone (ranks admit requests
             # in different cycles) must be negotiated in full, or it waits on a slot that
@@ -384,7 +377,7 @@ def _counted(meta: RequestMeta) -> bool:
     return meta.process_set_id == GLOBAL_SET and is_unnamed(meta.key)
 
 
-def _anonymous(meta: RequestMeta) -> RequestMeta:
-    """An unnamed request's signature: the request without its key and name, which change
-    from one call to the next."""
-    return meta._replace(key="", name="")
+def _signature(meta: RequestMeta) -> tuple[object, ...]:
+    """What a cached entry must match for ``meta`` to hit it: for an unnamed request, the
+    request without its key and name, which change from one call to the next."""
+    return meta._replace(key="", name="") if is_unnamed(meta.key) else meta.signature()
