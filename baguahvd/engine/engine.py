@@ -290,7 +290,7 @@ class Engine:
         """The watchdog's verdict: the engine thread may be stuck in MPI for good."""
         error = PeerFailureError(rank, reason)
         logger.error("%s", error)
-        self._lifecycle.lose_mpi("a peer is gone", error)
+        self._lifecycle.lose_peer(rank, error)
 
     def leave_job(self) -> None:
         """At interpreter exit, after a failure stopped the engine: see

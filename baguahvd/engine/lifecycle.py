@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 
 from baguahvd.backends.base import ControlPlane
+from baguahvd.common.exceptions import PeerFailureError
 from baguahvd.engine.notices import Notice, NoticeKind
 
 logger = logging.getLogger("baguahvd.engine")
@@ -130,6 +131,8 @@ class Lifecycle:
         self.stuck_reason: str | None = None
         """Why this rank's MPI calls cannot all complete (``STUCK``, or lost while
         ``LEAVING``)."""
+        self.gone: set[int] = set()
+        """The ranks whose process is known to be gone (see :meth:`lose_peer`)."""
 
     def _apply(self, event: Event) -> None:
         self.state = _TRANSITIONS[self.state][event]
@@ -185,6 +188,21 @@ class Lifecycle:
             self.stuck_reason = reason
         self._stopping(Event.LOSE_MPI, error)
 
+    def lose_peer(self, rank: int, error: PeerFailureError) -> None:
+        """Stops the engine because ``rank``'s process is gone, and tells the other
+        survivors: a rank on another node cannot see that process, and each survivor should
+        fail with the same error before one of them ends the job (:meth:`leave_job`)."""
+        with self._lock:
+            self.gone.add(rank)
+            first = self.error is None
+        self.lose_mpi("a peer is gone", error)
+        if first and self.control.threads_multiple:
+            notice = Notice(NoticeKind.FAILURE, rank, error.reason)
+            self.control.raise_alarm(notice, self._survivors(mine=False))
+
+    def _survivors(self, mine: bool) -> list[int]:
+        return [r for r in range(self.size) if r not in self.gone and (mine or r != self.rank)]
+
     def leave(self, error: BaseException | None = None) -> None:
         """This rank leaves the protocol in the middle of a cycle (then stops with
         ``error`` when given); :meth:`leave_mid_cycle` tells the peers."""
@@ -213,6 +231,15 @@ class Lifecycle:
         source, notice = alarm
         self.control.acknowledge(source)
         error = notice.error(self.rank)
+        if notice.rank != source:
+            # A survivor passes on that notice.rank is gone (see lose_peer).
+            with self._lock:
+                self.gone.add(notice.rank)
+                first = self.error is None
+            if first:
+                logger.error("%s (seen by rank %d)", error, source)
+            self.lose_mpi("a peer is gone", error)
+            return
         logger.error("%s", error)
         # This rank's engine thread may be blocked in a collective the sender never joins.
         self.lose_mpi(f"rank {source} left a collective unfinished", error)
@@ -259,6 +286,10 @@ class Lifecycle:
         if not self.abnormal or self.size == 1:
             return
         if self.stuck_reason is not None or thread_alive:
+            if self.gone and self.control.threads_multiple:
+                # Every survivor has failed with the same error by now or soon: meet them
+                # before the abort ends their processes, so each has reported it.
+                self.control.exit_barrier(self.exit_timeout_s, self._survivors(mine=True))
             self.abort(f"{self.stuck_reason or 'the engine thread is stuck'}, so MPI cannot "
                        "finish")
         elif not self.control.exit_barrier(self.exit_timeout_s):

@@ -191,8 +191,11 @@ class MemoryControlPlane(ControlPlane):
         return MemoryCommunicator(self.world, self.world.group_key(self.rank, ranks), ranks,
                                   self.rank)
 
-    def exit_barrier(self, timeout_s: float) -> bool:
-        return self._exit.meet(None, timeout_s=timeout_s) is not None
+    def exit_barrier(self, timeout_s: float, ranks: Sequence[int] | None = None) -> bool:
+        if ranks is None:
+            return self._exit.meet(None, timeout_s=timeout_s) is not None
+        key = ("exit among", tuple(sorted(ranks)))
+        return self.world.meet(key, self.rank, len(ranks), None, timeout_s=timeout_s) is not None
 
     def raise_alarm(self, payload: Any, ranks: Sequence[int]) -> None:
         self.world.post_alarm(self.rank, payload, ranks)

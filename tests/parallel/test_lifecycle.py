@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -164,6 +165,26 @@ def test_every_async_variant_returns_its_output(rank: int, size: int) -> None:
 
 # ---------------------------------------------------------------------------------------
 # Barrier
+
+
+def test_exit_barrier_among_survivors_does_not_wait_for_a_gone_rank(
+    rank: int, size: int
+) -> None:
+    if "OMPI_COMM_WORLD_SIZE" not in os.environ:
+        pytest.skip("the MPI control plane needs mpirun")
+    from mpi4py import MPI
+
+    from baguahvd.backends.mpi.control import MPIControlPlane
+
+    control = MPIControlPlane(MPI.COMM_WORLD)
+    gone = size - 1
+    if rank != gone:
+        # The gone rank never calls it (a barrier of the whole communicator would wait
+        # for it), and rank 0 calls it last.
+        if rank == 0:
+            time.sleep(0.3)
+        assert control.exit_barrier(10, list(range(gone)))
+    MPI.COMM_WORLD.Barrier()
 
 
 def test_barrier(size: int) -> None:

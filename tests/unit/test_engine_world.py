@@ -23,7 +23,7 @@ from baguahvd.engine.engine import GLOBAL_PROCESS_SET_ID, Engine
 from baguahvd.engine.lifecycle import State
 from baguahvd.engine.messages import OpType
 from baguahvd.engine.requests import Handle
-from tests.fakes.world import Job, start_job
+from tests.fakes.world import Job, run_on_ranks, start_job
 
 SIZE = 3
 
@@ -264,6 +264,46 @@ def test_a_clean_shutdown_leaves_the_exit_status_alone(job: Job) -> None:
     _wait_for(lambda: all(engine.state is State.STOPPED for engine in job.engines))
     job.run(lambda rank, engine: engine.leave_job())
     assert job.world.exits == [] and job.world.aborts == []
+
+
+def _lose_rank_1(job: Job) -> list[Handle]:
+    """Ranks 0 and 2 wait in an allreduce; rank 0's watchdog finds rank 1's process gone
+    (rank 2's cannot: it runs on another node)."""
+    pending = [_allreduce(job.engines[r], torch.ones(1), "pending") for r in (0, 2)]
+    job.engines[0]._peer_lost(1, "its process is gone")
+    return pending
+
+
+def test_a_lost_peer_reaches_the_survivors_that_cannot_see_it() -> None:
+    job = start_job(SIZE, exit_timeout_s=10.0)
+    try:
+        for handle in _lose_rank_1(job):
+            with pytest.raises(PeerFailureError) as info:
+                handle.wait()
+            assert info.value.rank == 1 and info.value.reason == "its process is gone"
+        _wait_for(lambda: job.engines[2].state is State.STUCK)
+        # The survivors meet before the abort (each has reported the error by then), and
+        # neither waits for the dead rank.
+        started = time.monotonic()
+        run_on_ranks(2, lambda i: job.engines[2 * i].leave_job())
+        assert time.monotonic() - started < 5.0
+        assert sorted(job.world.aborts) == [(0, 1), (2, 1)]
+    finally:
+        job.close()
+
+
+def test_a_survivor_that_never_leaves_delays_the_abort_by_the_exit_timeout() -> None:
+    job = start_job(SIZE, exit_timeout_s=0.3)
+    try:
+        for handle in _lose_rank_1(job):
+            with pytest.raises(PeerFailureError):
+                handle.wait()
+        started = time.monotonic()
+        job.engines[0].leave_job()
+        assert 0.3 <= time.monotonic() - started < 5.0
+        assert job.world.aborts == [(0, 1)]
+    finally:
+        job.close()
 
 
 def _wait_for(condition: object, timeout_s: float = 5.0) -> None:

@@ -162,6 +162,18 @@ def test_exit_barrier_times_out_while_a_rank_is_missing() -> None:
     assert run_ranks(2, body) == [False, True]
 
 
+def test_exit_barrier_among_survivors_does_not_wait_for_the_others() -> None:
+    def body(control: GlooControlPlane) -> Any:
+        if control.rank == 1:
+            return None  # gone
+        first = control.exit_barrier(10, [0, 2])
+        # Rank 0 alone among [0, 1] gives up at its deadline.
+        second = control.exit_barrier(0.1, [0, 1]) if control.rank == 0 else None
+        return first, second
+
+    assert run_ranks(3, body) == [(True, False), None, (True, None)]
+
+
 def test_unknown_dtype_is_named() -> None:
     def body(control: GlooControlPlane) -> Any:
         comm = control.create_group_comm(range(control.size))

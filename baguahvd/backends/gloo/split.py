@@ -184,8 +184,8 @@ class SplitControlPlane(ControlPlane):
     def allgather_ints(self, values: Sequence[int]) -> list[list[int]]:
         return self.control.allgather_ints(values)
 
-    def exit_barrier(self, timeout_s: float) -> bool:
-        return self.control.exit_barrier(timeout_s)
+    def exit_barrier(self, timeout_s: float, ranks: Sequence[int] | None = None) -> bool:
+        return self.control.exit_barrier(timeout_s, ranks)
 
     def raise_alarm(self, payload: Any, ranks: Sequence[int]) -> None:
         self.control.raise_alarm(payload, ranks)

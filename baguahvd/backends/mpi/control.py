@@ -28,6 +28,7 @@ _SPIN_S = 50e-6
 # Tags of the alarm communicator (see MPIControlPlane.raise_alarm).
 _TAG_ALARM = 1
 _TAG_ACK = 2
+_TAG_EXIT = 3
 
 
 class MPIControlPlane(ControlPlane):
@@ -126,11 +127,32 @@ class MPIControlPlane(ControlPlane):
             group.Free()
         return MPICommunicator(comm)
 
-    def exit_barrier(self, timeout_s: float) -> bool:
-        """Waits up to ``timeout_s`` for every rank to call this too; False on timeout."""
-        request = self._exit_comm.Ibarrier()
+    def exit_barrier(self, timeout_s: float, ranks: Sequence[int] | None = None) -> bool:
+        """Waits up to ``timeout_s`` for every rank (or every one of ``ranks``) to call this
+        too; False on timeout. Among ``ranks``, each sends the others a message on the alarm
+        communicator, since a barrier of the whole communicator would wait for a dead
+        rank."""
         deadline = time.monotonic() + timeout_s
-        while not request.Test():
+        if ranks is None:
+            request = self._exit_comm.Ibarrier()
+            while not request.Test():
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.01)
+            return True
+        others = {rank for rank in ranks if rank != self.rank}
+        with self._alarm_lock:
+            for rank in others:
+                self._outgoing.append(self._alarm_comm.isend(None, dest=rank, tag=_TAG_EXIT))
+        while others:
+            with self._alarm_lock:
+                for rank in list(others):
+                    message = self._alarm_comm.improbe(rank, _TAG_EXIT)
+                    if message is not None:
+                        message.recv()
+                        others.discard(rank)
+            if not others:
+                break
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
