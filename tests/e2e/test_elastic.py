@@ -57,6 +57,9 @@ def test_killed_rank_without_restarts_left_fails_the_job(tmp_path: pathlib.Path)
     )
     assert result.returncode != 0
     assert not (tmp_path / "never.pt").exists()
+    # The launcher keeps the job's elastic state for a resume, and says where.
+    [kept] = (tmp_path / "tmp").glob("baguahvd-elastic-*")
+    assert f"--checkpoint-dir {kept}" in result.stdout + result.stderr
 
 
 @pytest.mark.parallel

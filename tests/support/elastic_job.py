@@ -104,6 +104,10 @@ def launch_training(
 ) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TRAIN))
+    # A failed job keeps its elastic folder (made in TMPDIR) for a resume: keep it here.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir(exist_ok=True)
+    env = {"TMPDIR": str(scratch), **(env or {})}
     return jobs.run_launcher([*args, sys.executable, str(script)], tmp_path, TIMEOUT_S, env)
 
 
