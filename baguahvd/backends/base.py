@@ -207,10 +207,10 @@ class ControlPlane(abc.ABC):
         collectively by its members; ``None`` on the other ranks, which may skip the call."""
 
     @abc.abstractmethod
-    def exit_barrier(self, timeout_s: float, ranks: Sequence[int] | None = None) -> bool:
-        """Waits up to ``timeout_s`` for every rank (every one of ``ranks``, this one among
-        them, when given: the survivors of a lost peer) to call this too, with the same
-        ``ranks``; False on timeout. Usable while the other channels are stuck."""
+    def exit_barrier(self, timeout_s: float, ranks: Sequence[int]) -> bool:
+        """Waits up to ``timeout_s`` for every one of ``ranks`` (this one among them: every
+        rank, or the survivors of a lost one) to call this too, with the same ``ranks``;
+        False on timeout. Used once, at exit; usable while the other channels are stuck."""
 
     @abc.abstractmethod
     def raise_alarm(self, payload: Any, ranks: Sequence[int]) -> None:

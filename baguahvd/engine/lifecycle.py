@@ -280,19 +280,22 @@ class Lifecycle:
 
     def leave_job(self, thread_alive: bool) -> None:
         """At interpreter exit, after a failure stopped the engine: waits up to
-        ``exit_timeout_s`` for every rank to get here too, then lets MPI finalize; ends the
-        whole job with MPI_Abort instead when some rank does not come (it is stuck, asleep
-        or dead: MPI_Finalize would wait for it forever)."""
+        ``exit_timeout_s`` for every other live rank to get here too (so each has reported
+        the error), then lets MPI finalize. It ends the whole job with MPI_Abort instead when
+        some rank does not come (it is stuck, asleep or dead: MPI_Finalize would wait for it
+        forever), or when some MPI call of this rank cannot complete (a peer is gone or left
+        a collective unfinished, or the engine thread is stuck); then too after the meeting,
+        unless no other thread may call MPI now or the lost rank is not known."""
         if not self.abnormal or self.size == 1:
             return
-        if self.stuck_reason is not None or thread_alive:
-            if self.gone and self.control.threads_multiple:
-                # Every survivor has failed with the same error by now or soon: meet them
-                # before the abort ends their processes, so each has reported it.
-                self.control.exit_barrier(self.exit_timeout_s, self._survivors(mine=True))
+        stuck = self.stuck_reason is not None or thread_alive
+        met = False
+        if not stuck or (self.control.threads_multiple and -1 not in self.gone):
+            met = self.control.exit_barrier(self.exit_timeout_s, self._survivors(mine=True))
+        if stuck:
             self.abort(f"{self.stuck_reason or 'the engine thread is stuck'}, so MPI cannot "
                        "finish")
-        elif not self.control.exit_barrier(self.exit_timeout_s):
+        elif not met:
             self.abort(
                 f"not every rank exited within {self.exit_timeout_s:g} s of the "
                 "failure (BAGUAHVD_EXIT_TIMEOUT_SECONDS)"

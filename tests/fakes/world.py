@@ -160,7 +160,6 @@ class MemoryControlPlane(ControlPlane):
         self.rank = rank
         self.size = world.size
         self._negotiation = _Endpoint(world, ("control",), rank, world.size)
-        self._exit = _Endpoint(world, ("exit",), rank, world.size)
 
     def bitwise_and(
         self, words: np.ndarray, waiting: Callable[[], None] | None = None
@@ -191,10 +190,8 @@ class MemoryControlPlane(ControlPlane):
         return MemoryCommunicator(self.world, self.world.group_key(self.rank, ranks), ranks,
                                   self.rank)
 
-    def exit_barrier(self, timeout_s: float, ranks: Sequence[int] | None = None) -> bool:
-        if ranks is None:
-            return self._exit.meet(None, timeout_s=timeout_s) is not None
-        key = ("exit among", tuple(sorted(ranks)))
+    def exit_barrier(self, timeout_s: float, ranks: Sequence[int]) -> bool:
+        key = ("exit", tuple(sorted(ranks)))
         return self.world.meet(key, self.rank, len(ranks), None, timeout_s=timeout_s) is not None
 
     def raise_alarm(self, payload: Any, ranks: Sequence[int]) -> None:

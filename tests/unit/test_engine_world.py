@@ -6,6 +6,7 @@ real engines (see ``tests/fakes/world.py``), without MPI.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -221,6 +222,35 @@ def test_a_collective_failing_on_one_rank_raises_an_alarm_to_the_others(job: Job
     assert job.engines[0].state is State.STUCK and job.engines[2].state is State.STUCK
     _wait_for(lambda: job.world.acks_of(1) == {0, 2})
     assert job.world.aborts == []
+
+
+def test_ranks_stuck_in_a_collective_that_a_rank_left_meet_it_before_the_abort() -> None:
+    job = start_job(SIZE, exit_timeout_s=10.0)
+    try:
+        job.data_comm(1).fail_next = MemoryError("no room for the output")
+
+        def body(rank: int, engine: Engine) -> None:
+            with pytest.raises(PeerFailureError):
+                _allreduce(engine, torch.ones(1), "big").wait()
+
+        job.run(body)
+        _wait_for(lambda: job.world.acks_of(1) == {0, 2})
+        # Rank 0 cannot finish MPI, but its abort waits until every rank has come (each has
+        # reported the error by then), the rank that left included.
+        left = threading.Event()
+        leaving = threading.Thread(
+            target=lambda: (job.engines[0].leave_job(), left.set()), daemon=True
+        )
+        leaving.start()
+        time.sleep(0.3)
+        assert not left.is_set() and job.world.aborts == []
+        run_on_ranks(2, lambda i: job.engines[i + 1].leave_job())
+        leaving.join(5.0)
+        assert left.is_set()
+        assert sorted(job.world.aborts) == [(0, 1), (2, 1)]
+        assert job.world.exits == [(1, 1)]
+    finally:
+        job.close()
 
 
 def test_a_stall_past_the_shutdown_time_ends_the_job_on_every_rank() -> None:

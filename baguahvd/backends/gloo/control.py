@@ -13,9 +13,9 @@ job's store, so it never waits behind the engine thread):
   and writes the pickled ``(sender, payload)`` under ``alarm/<r>/<slot>``; rank ``r``
   reads its slots in order, looking with ``check`` (which never blocks) before reading;
 - an acknowledgement of ``s``'s alarm by ``r`` is the key ``ack/<s>/<r>``;
-- the exit barrier counts arrivals in ``exit``; a rank waits for the count to reach the
-  job's size, or gives up at its deadline; among some ranks only (the survivors of a lost
-  peer), each writes ``exit/<rank>`` and waits for the others' keys;
+- at the exit barrier each rank writes ``exit/<rank>`` and waits for the keys of the
+  others that meet (every rank, or the survivors of a lost one), or gives up at its
+  deadline;
 - abort writes ``abort`` and ends the process; every other rank's next alarm poll (the
   watchdog's, ten times a second) finds it and ends too, as MPI_Abort would end them.
 """
@@ -120,30 +120,20 @@ class GlooControlPlane(ControlPlane):
 
     # -- outside the protocol (any thread) ----------------------------------------------
 
-    def exit_barrier(self, timeout_s: float, ranks: Sequence[int] | None = None) -> bool:
-        """Waits up to ``timeout_s`` for every rank (or every one of ``ranks``) to call this
-        too; False on timeout."""
+    def exit_barrier(self, timeout_s: float, ranks: Sequence[int]) -> bool:
+        """Waits up to ``timeout_s`` for every one of ``ranks`` to call this too; False on
+        timeout."""
         deadline = time.monotonic() + timeout_s
-        if ranks is not None:
-            keys = [f"exit/{rank}" for rank in ranks]
-            with self._lock:
-                self._store.set(f"exit/{self.rank}", b"1")
-            while True:
-                with self._lock:
-                    if self._store.check(keys):
-                        return True
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.01)
+        keys = [f"exit/{rank}" for rank in ranks]
         with self._lock:
-            arrived = self._store.add("exit", 1)
-        while arrived < self.size:
+            self._store.set(f"exit/{self.rank}", b"1")
+        while True:
+            with self._lock:
+                if self._store.check(keys):
+                    return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
-            with self._lock:
-                arrived = self._store.add("exit", 0)
-        return True
 
     def raise_alarm(self, payload: Any, ranks: Sequence[int]) -> None:
         """Writes ``payload`` into the next alarm slot of each of ``ranks``."""

@@ -184,7 +184,7 @@ class SplitControlPlane(ControlPlane):
     def allgather_ints(self, values: Sequence[int]) -> list[list[int]]:
         return self.control.allgather_ints(values)
 
-    def exit_barrier(self, timeout_s: float, ranks: Sequence[int] | None = None) -> bool:
+    def exit_barrier(self, timeout_s: float, ranks: Sequence[int]) -> bool:
         return self.control.exit_barrier(timeout_s, ranks)
 
     def raise_alarm(self, payload: Any, ranks: Sequence[int]) -> None:

@@ -42,9 +42,6 @@ class MPIControlPlane(ControlPlane):
         self.comm = comm.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        # Used once, at exit after a failure, while the engine's communicator may be stuck
-        # in a collective that will never complete.
-        self._exit_comm = comm.Dup()
         # Point-to-point messages outside the lockstep protocol: a rank that leaves it tells
         # the others through this one (see raise_alarm).
         self._alarm_comm = comm.Dup()
@@ -127,24 +124,16 @@ class MPIControlPlane(ControlPlane):
             group.Free()
         return MPICommunicator(comm)
 
-    def exit_barrier(self, timeout_s: float, ranks: Sequence[int] | None = None) -> bool:
-        """Waits up to ``timeout_s`` for every rank (or every one of ``ranks``) to call this
-        too; False on timeout. Among ``ranks``, each sends the others a message on the alarm
-        communicator, since a barrier of the whole communicator would wait for a dead
-        rank."""
+    def exit_barrier(self, timeout_s: float, ranks: Sequence[int]) -> bool:
+        """Waits up to ``timeout_s`` for every one of ``ranks`` to call this too; False on
+        timeout. Each sends the others a message on the alarm communicator: a barrier of a
+        communicator would wait for a dead rank, and for one that cannot finalize."""
         deadline = time.monotonic() + timeout_s
-        if ranks is None:
-            request = self._exit_comm.Ibarrier()
-            while not request.Test():
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.01)
-            return True
         others = {rank for rank in ranks if rank != self.rank}
         with self._alarm_lock:
             for rank in others:
                 self._outgoing.append(self._alarm_comm.isend(None, dest=rank, tag=_TAG_EXIT))
-        while others:
+        while True:
             with self._alarm_lock:
                 for rank in list(others):
                     message = self._alarm_comm.improbe(rank, _TAG_EXIT)
@@ -152,11 +141,10 @@ class MPIControlPlane(ControlPlane):
                         message.recv()
                         others.discard(rank)
             if not others:
-                break
+                return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.01)
-        return True
 
     def raise_alarm(self, payload: Any, ranks: Sequence[int]) -> None:
         """Sends ``payload`` to ``ranks`` at once, whatever they are doing: the way out for a
@@ -209,5 +197,4 @@ class MPIControlPlane(ControlPlane):
 
     def free(self) -> None:
         self.comm.Free()
-        self._exit_comm.Free()
         self._alarm_comm.Free()
