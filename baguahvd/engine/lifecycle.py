@@ -192,13 +192,19 @@ class Lifecycle:
         """Stops the engine because ``rank``'s process is gone, and tells the other
         survivors: a rank on another node cannot see that process, and each survivor should
         fail with the same error before one of them ends the job (:meth:`leave_job`)."""
+        first = self._lose_gone(rank, error)
+        if first and self.control.threads_multiple:
+            notice = Notice(NoticeKind.FAILURE, rank, error.reason)
+            self.control.raise_alarm(notice, self._survivors(mine=False))
+
+    def _lose_gone(self, rank: int, error: BaseException) -> bool:
+        """Records that ``rank``'s process is gone and stops the engine with ``error``;
+        returns whether this is the engine's first stop."""
         with self._lock:
             self.gone.add(rank)
             first = self.error is None
         self.lose_mpi("a peer is gone", error)
-        if first and self.control.threads_multiple:
-            notice = Notice(NoticeKind.FAILURE, rank, error.reason)
-            self.control.raise_alarm(notice, self._survivors(mine=False))
+        return first
 
     def _survivors(self, mine: bool) -> list[int]:
         return [r for r in range(self.size) if r not in self.gone and (mine or r != self.rank)]
@@ -233,12 +239,8 @@ class Lifecycle:
         error = notice.error(self.rank)
         if notice.rank != source:
             # A survivor passes on that notice.rank is gone (see lose_peer).
-            with self._lock:
-                self.gone.add(notice.rank)
-                first = self.error is None
-            if first:
+            if self._lose_gone(notice.rank, error):
                 logger.error("%s (seen by rank %d)", error, source)
-            self.lose_mpi("a peer is gone", error)
             return
         logger.error("%s", error)
         # This rank's engine thread may be blocked in a collective the sender never joins.
