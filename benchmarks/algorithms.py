@@ -71,6 +71,10 @@ try:  # optional reference: real Horovod, when installed
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     real_horovod = None
 
+FOREIGN = ("local", "ddp", "horovod_real")
+"""Rows that run without baguahvd: it is shut down meanwhile, so that its engine thread's
+idle cycles do not share the cores and the link with them."""
+
 HIERARCHICAL = ("bytegrad", "decentralized", "low_precision_decentralized", "qadam")
 """Algorithms whose Bagua default is hierarchical=True."""
 
@@ -262,7 +266,9 @@ def run_one(spec: str, hvd: Any, args: argparse.Namespace) -> dict[str, Any]:
         # PyTorch's own data parallelism: gradient buckets allreduced by gloo during backward.
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = make_optimizer(spec, model, hvd, args)
-    generator = torch.Generator().manual_seed(1 + hvd.rank())
+    from mpi4py import MPI
+
+    generator = torch.Generator().manual_seed(1 + MPI.COMM_WORLD.Get_rank())
     data = torch.randn(args.batch_size, MODEL_DIMS[0], generator=generator)
     target = torch.randint(0, MODEL_DIMS[-1], (args.batch_size,), generator=generator)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -307,7 +313,7 @@ def run_one(spec: str, hvd: Any, args: argparse.Namespace) -> dict[str, Any]:
         "tx_per_step": None if tx0 is None or tx1 is None else (tx1 - tx0) / steps,
         "async_rounds": rounds,
         "chosen": None if choice is None else choice.name,
-        "data_plane": data_plane(),
+        "data_plane": None if name in FOREIGN else data_plane(),
     }
 
 
@@ -317,6 +323,18 @@ def data_plane() -> str:
 
     transport = runtime.transport
     return "mpi" if transport is None or transport.value == "mpi" else "gloo"
+
+
+def plane_label(row: dict[str, Any]) -> str:
+    """What a result row's CPU collectives ran on, for the tables."""
+    name = split_spec(row["algorithm"])[0]
+    if name == "ddp":
+        return "gloo"
+    if name == "horovod_real":
+        return "Horovod's MPI"
+    if name == "local":
+        return "none"
+    return row.get("data_plane") or "mpi"
 
 
 def use_data_plane(hvd: Any, plane: str) -> None:
@@ -358,7 +376,7 @@ def markdown_table(result: dict[str, Any]) -> str:
             name += f" (chose {', '.join(row['chosen'])})"
         cells = [
             name,
-            "gloo" if split_spec(row["algorithm"])[0] == "ddp" else row.get("data_plane", "mpi"),
+            plane_label(row),
             f"{row['step_s']:.3f}",
             f"{row['speedup_vs_allreduce']:.2f}x" if row["speedup_vs_allreduce"] else "–",
             f"{row['speedup_vs_horovod']:.2f}x" if row["speedup_vs_horovod"] else "–",
@@ -510,8 +528,15 @@ def bench(args: argparse.Namespace) -> None:
         order = specs if round_index % 2 == 0 else specs[::-1]
         for spec in order:
             comm.Barrier()
-            use_data_plane(hvd, split_spec(spec)[2] or default_plane)
+            name = split_spec(spec)[0]
+            if name in FOREIGN:
+                if hvd.is_initialized():
+                    hvd.shutdown()
+            else:
+                use_data_plane(hvd, split_spec(spec)[2] or default_plane)
             mine = run_one(spec, hvd, args)
+            if name == "horovod_real":
+                real_horovod.shutdown()
             gc.collect()  # the previous model, optimizer state and buffers
             everyone = comm.gather(mine, root=0)
             if rank == 0:
@@ -645,7 +670,7 @@ def summary_table(results: list[dict[str, Any]]) -> str:
                 cells.append("–")
                 continue
             cell = f"{row['step_s']:.3f}"
-            plane = "gloo" if split_spec(name)[0] == "ddp" else row.get("data_plane", "mpi")
+            plane = plane_label(row)
             cell += f" ({plane}"
             if row.get("chosen"):
                 cell += f", chose {', '.join(row['chosen'])}"

@@ -19,6 +19,10 @@ gradients, and unnamed, as scripts often call it) and with ``Average``, and
 ``synchronize`` and as 256 ``allreduce_async_`` (in place) + ``synchronize``, against one raw
 call of the same bytes.
 
+With Horovod importable (and no ``--no-horovod``), the same rows run again through
+``horovod.torch`` once baguahvd has shut down (one engine thread at a time), each table with
+raw baselines of its own, and a last line per row gives Horovod's time / baguahvd's time.
+
 Every repetition runs every variant once, in the same order, each after a barrier; a
 variant's time is the slowest rank's seconds per call, and the table shows the median over
 repetitions. Ratios are raw time / baguahvd time: 1.0 is as fast as raw MPI, above 1 faster.
@@ -33,12 +37,19 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from importlib.metadata import version
+from typing import Any
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 import baguahvd.torch as hvd
+
+try:  # optional reference: Horovod itself, when installed
+    import horovod.torch as horovod  # type: ignore[import-not-found]
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    horovod = None
 
 Variant = tuple[str, Callable[[], object]]
 
@@ -87,7 +98,7 @@ def _table(title: str, names: list[str], times: list[float], raw: int) -> list[s
     lines = [title]
     base_in, base_fresh, base_torch = times[0], times[1], times[2]
     for index, (name, seconds) in enumerate(zip(names, times)):
-        line = f"  {name:<38} {seconds * 1e3:9.3f} ms"
+        line = f"  {name:<44} {seconds * 1e3:9.3f} ms"
         if index >= raw:
             line += f"   vs in-place {base_in / seconds:5.2f}"
             line += f"   vs fresh {base_fresh / seconds:5.2f}"
@@ -101,6 +112,94 @@ def _check(tensor: torch.Tensor, expected: float, what: str) -> None:
         raise AssertionError(f"{what}: got {tensor.flatten()[:4].tolist()}, expected {expected}")
 
 
+def _sized_variants(api: Any, label: str, nbytes: int, rank: int, size: int) -> list[Variant]:
+    """``api``'s single-tensor rows at ``nbytes`` (``api`` is baguahvd.torch or
+    horovod.torch: the same calls)."""
+    count = nbytes // 4
+    send = torch.full((count,), float(rank + 1))
+    inplace = torch.zeros(count)
+    total = size * (size + 1) / 2
+    _check(api.allreduce(send, op=api.Sum, name="check.sum"), total, f"{label} Sum")
+    _check(api.allreduce(send, op=api.Average, name="check.avg"), total / size,
+           f"{label} Average")
+    _check(send, float(rank + 1), f"{label} input after allreduce")
+    return [
+        (f"{label}.allreduce Sum", lambda: api.allreduce(send, op=api.Sum, name="sum")),
+        (f"{label}.allreduce Sum, unnamed", lambda: api.allreduce(send, op=api.Sum)),
+        (f"{label}.allreduce Average", lambda: api.allreduce(send, name="avg")),
+        (f"{label}.allreduce_ Sum (in place)",
+         lambda: api.allreduce_(inplace, op=api.Sum, name="inplace")),
+    ]
+
+
+def _grouped_variants(
+    api: Any, label: str, n: int, each: int, rank: int, size: int
+) -> list[Variant]:
+    """``api``'s rows for ``n`` tensors of ``each`` float32 elements."""
+    tensors = [torch.full((each,), float(rank + i)) for i in range(n)]
+    zeros = [torch.zeros(each) for _ in range(n)]
+    names = [f"fused.{i}" for i in range(n)]
+    names_ = [f"fused_.{i}" for i in range(n)]
+    total = size * (size + 1) / 2
+    for i, result in enumerate(api.grouped_allreduce(tensors, op=api.Sum, name="check.group")):
+        _check(result, float(size * i + total - size), f"{label} grouped tensor {i}")
+
+    def async_many() -> None:
+        handles = [api.allreduce_async(t, op=api.Sum, name=m) for t, m in zip(tensors, names)]
+        for handle in handles:
+            api.synchronize(handle)
+
+    def async_many_() -> None:
+        handles = [api.allreduce_async_(t, op=api.Sum, name=m) for t, m in zip(zeros, names_)]
+        for handle in handles:
+            api.synchronize(handle)
+
+    return [
+        (f"{label}.grouped_allreduce Sum",
+         lambda: api.grouped_allreduce(tensors, op=api.Sum, name="group")),
+        (f"{label}: {n} allreduce_async + synchronize", async_many),
+        (f"{label}: {n} allreduce_async_ + synchronize", async_many_),
+    ]
+
+
+def _raw_variants(count: int, rank: int, comm: MPI.Comm) -> list[Variant]:
+    """The three raw baselines for ``count`` float32 elements (see module docstring)."""
+    send = torch.full((count,), float(rank + 1)).numpy()
+    inplace = np.zeros(count, dtype=np.float32)
+    torch_inplace = torch.zeros(count).numpy()
+
+    def raw_fresh() -> None:
+        comm.Allreduce(send, np.empty(count, dtype=np.float32), op=MPI.SUM)
+
+    return [
+        ("raw Allreduce in place", lambda: comm.Allreduce(MPI.IN_PLACE, inplace, op=MPI.SUM)),
+        ("raw Allreduce into a fresh array", raw_fresh),
+        ("raw Allreduce in place, torch memory",
+         lambda: comm.Allreduce(MPI.IN_PLACE, torch_inplace, op=MPI.SUM)),
+    ]
+
+
+def _measure(
+    api: Any, label: str, args: argparse.Namespace, comm: MPI.Comm
+) -> list[tuple[str, list[str], list[float]]]:
+    """Every table's (title, row names, times) for ``api``, its raw baselines included."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    tables = []
+    for nbytes in map(_size, args.sizes):
+        variants = _raw_variants(nbytes // 4, rank, comm)
+        variants += _sized_variants(api, label, nbytes, rank, size)
+        times = _interleaved(variants, _iterations(nbytes), args.repeats, comm)
+        tables.append((_human(nbytes), [n for n, _ in variants], times))
+    n, each = args.count, _size(args.each) // 4
+    variants = _raw_variants(n * each, rank, comm) + _grouped_variants(
+        api, label, n, each, rank, size
+    )
+    times = _interleaved(variants, max(3, (64 << 20) // (n * each * 4)), args.repeats, comm)
+    title = f"{n} x {_human(each * 4)} against one raw call of {_human(n * each * 4)}"
+    tables.append((title, [v[0] for v in variants], times))
+    return tables
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=["16K", "1M", "16M", "64M"],
@@ -108,81 +207,33 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--count", type=int, default=256, help="tensors in the grouped rows")
     parser.add_argument("--each", default="16K", help="bytes per tensor in the grouped rows")
+    parser.add_argument("--no-horovod", dest="horovod", action="store_false",
+                        help="leave out Horovod even when it is importable")
     args = parser.parse_args()
 
-    hvd.init()
     comm = MPI.COMM_WORLD
-    rank, size = hvd.rank(), hvd.size()
-    lines = [f"float32 allreduce on {size} ranks; {_load()}"]
-
-    for nbytes in map(_size, args.sizes):
-        count = nbytes // 4
-        send = torch.full((count,), float(rank + 1))
-        send_np = send.numpy()
-        inplace = np.zeros(count, dtype=np.float32)
-        torch_inplace = torch.zeros(count).numpy()
-        ours_inplace = torch.zeros(count)
-        total = size * (size + 1) / 2
-        _check(hvd.allreduce(send, op=hvd.Sum, name="check.sum"), total, "Sum")
-        _check(hvd.allreduce(send, op=hvd.Average, name="check.avg"), total / size, "Average")
-        _check(send, float(rank + 1), "input after allreduce")
-
-        def raw_fresh() -> None:
-            comm.Allreduce(send_np, np.empty(count, dtype=np.float32), op=MPI.SUM)
-
-        variants: list[Variant] = [
-            ("raw Allreduce in place", lambda: comm.Allreduce(MPI.IN_PLACE, inplace, op=MPI.SUM)),
-            ("raw Allreduce into a fresh array", raw_fresh),
-            ("raw Allreduce in place, torch memory",
-             lambda: comm.Allreduce(MPI.IN_PLACE, torch_inplace, op=MPI.SUM)),
-            ("hvd.allreduce Sum", lambda: hvd.allreduce(send, op=hvd.Sum, name="sum")),
-            ("hvd.allreduce Sum, unnamed", lambda: hvd.allreduce(send, op=hvd.Sum)),
-            ("hvd.allreduce Average", lambda: hvd.allreduce(send, name="avg")),
-            ("hvd.allreduce_ Sum (in place)",
-             lambda: hvd.allreduce_(ours_inplace, op=hvd.Sum, name="inplace")),
-        ]
-        times = _interleaved(variants, _iterations(nbytes), args.repeats, comm)
-        lines += _table(_human(nbytes), [n for n, _ in variants], times, raw=3)
-
-    n, each = args.count, _size(args.each) // 4
-    tensors = [torch.full((each,), float(rank + i)) for i in range(n)]
-    zeros = [torch.zeros(each) for _ in range(n)]
-    flat = torch.cat(tensors).numpy()
-    flat_inplace = np.zeros(n * each, dtype=np.float32)
-    flat_torch = torch.zeros(n * each).numpy()
-    names = [f"fused.{i}" for i in range(n)]
-    names_ = [f"fused_.{i}" for i in range(n)]
-    for i, result in enumerate(hvd.grouped_allreduce(tensors, op=hvd.Sum, name="check.group")):
-        _check(result, float(size * i + total - size), f"grouped tensor {i}")
-
-    def async_many() -> None:
-        handles = [hvd.allreduce_async(t, op=hvd.Sum, name=m) for t, m in zip(tensors, names)]
-        for handle in handles:
-            hvd.synchronize(handle)
-
-    def async_many_() -> None:
-        handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=m) for t, m in zip(zeros, names_)]
-        for handle in handles:
-            hvd.synchronize(handle)
-
-    variants = [
-        ("raw Allreduce in place", lambda: comm.Allreduce(MPI.IN_PLACE, flat_inplace, op=MPI.SUM)),
-        ("raw Allreduce into a fresh array",
-         lambda: comm.Allreduce(flat, np.empty_like(flat), op=MPI.SUM)),
-        ("raw Allreduce in place, torch memory",
-         lambda: comm.Allreduce(MPI.IN_PLACE, flat_torch, op=MPI.SUM)),
-        ("hvd.grouped_allreduce Sum",
-         lambda: hvd.grouped_allreduce(tensors, op=hvd.Sum, name="group")),
-        (f"{n} allreduce_async + synchronize", async_many),
-        (f"{n} allreduce_async_ + synchronize", async_many_),
-    ]
-    times = _interleaved(variants, max(3, (64 << 20) // (n * each * 4)), args.repeats, comm)
-    title = f"{n} x {_human(each * 4)} against one raw call of {_human(n * each * 4)}"
-    lines += _table(title, [v[0] for v in variants], times, raw=3)
-    lines.append(_load())
-    if rank == 0:
-        print("\n".join(lines), flush=True)
+    lines = [f"float32 allreduce on {comm.Get_size()} ranks; {_load()}"]
+    hvd.init()
+    ours = _measure(hvd, "hvd", args, comm)
     hvd.shutdown()
+    theirs = None
+    if args.horovod and horovod is not None:
+        # Horovod runs after baguahvd has stopped: one engine thread at a time.
+        horovod.init()
+        theirs = _measure(horovod, "horovod", args, comm)
+        horovod.shutdown()
+    for index, (title, names, times) in enumerate(ours):
+        lines += _table(title, names, times, raw=3)
+        if theirs is None:
+            continue
+        _, their_names, their_times = theirs[index]
+        lines += _table(f"  Horovod {version('horovod')}, with raw baselines of its own run",
+                        their_names, their_times, raw=3)
+        for name, mine, other in zip(names[3:], times[3:], their_times[3:]):
+            lines.append(f"  {name:<44} {other / mine:5.2f}x Horovod's speed")
+    lines.append(_load())
+    if comm.Get_rank() == 0:
+        print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
