@@ -40,6 +40,9 @@ class Communicator(abc.ABC):
     """This process's index in the group."""
     size: int
     """Number of ranks in the group."""
+    unfused_bytes: int | None = None
+    """Tensors of at least this many bytes are cheaper reduced in a call of their own than
+    copied in and out of the fusion buffer (the engine's default; None: always fused)."""
 
     @abc.abstractmethod
     def allreduce(self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp) -> None:

@@ -58,7 +58,7 @@ from baguahvd.common.exceptions import (
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.autotune import Autotuner, Settings
 from baguahvd.engine.dispatch import CollectiveFailure, Dispatcher, Entry
-from baguahvd.engine.fusion import plan_fusion
+from baguahvd.engine.fusion import plan_fusion, unfused_sizes
 from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.lifecycle import Lifecycle, State
 from baguahvd.engine.messages import OpType
@@ -507,7 +507,8 @@ class Engine:
 
     def _fuse(self, entries: list[Entry]) -> list[list[Entry]]:
         return plan_fusion(
-            entries, self.settings.fusion_threshold, self.config.disable_group_fusion
+            entries, self.settings.fusion_threshold, self.config.disable_group_fusion,
+            unfused_sizes(self.process_sets, self.config.unfused_bytes),
         )
 
     def _check_stalls(self, now: float) -> None:
@@ -578,8 +579,7 @@ class Engine:
 
 
 def _reduced(entries: list[Entry]) -> list[tuple[str, int]]:
-    """The name and bytes of this rank's allreduces among a cycle's entries (autotune's
-    measure)."""
+    """Name and bytes of this rank's allreduces among a cycle's entries (autotune's measure)."""
     return [
         (response.name, sum(t.numel() * t.element_size() for t in own.inputs))
         for response, own in entries

@@ -3,15 +3,17 @@
 A pure function of the cycle's agreed responses (in the agreed order, identical on every
 rank) and the threshold, so every rank makes the same plan. Allreduces with the same process
 set, dtype, reduce op, scale factors and device share a unit while the unit's bytes stay
-within ``HOROVOD_FUSION_THRESHOLD``; everything else (other collectives, errors, Adasum, and
-grouped allreduces when group fusion is disabled) runs alone. Units keep the order of their
-first entry; entries keep their order inside a unit.
+within ``HOROVOD_FUSION_THRESHOLD``; everything else (other collectives, errors, Adasum,
+grouped allreduces when group fusion is disabled, and single CPU tensors as large as their
+process set's ``unfused`` size, which are cheaper reduced alone than copied in and out of the
+fusion buffer) runs alone. Units keep the order of their first entry; entries keep their
+order inside a unit.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -19,6 +21,7 @@ import torch
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.execute import DTYPES
 from baguahvd.engine.messages import OpType, Response
+from baguahvd.engine.process_sets import ProcessSetState
 
 ITEMSIZES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 """Bytes per element, by dtype name."""
@@ -34,6 +37,7 @@ def plan_fusion(
     entries: Sequence[tuple[Response, Own]],
     threshold: int,
     disable_group_fusion: bool = False,
+    unfused: Mapping[int, int] | None = None,
 ) -> list[list[tuple[Response, Own]]]:
     """Splits ``entries`` into units that each run as one collective (see module docstring).
 
@@ -41,6 +45,8 @@ def plan_fusion(
         entries: the agreed responses, each with what this rank holds for it.
         threshold: bytes per fused unit; 0 or less fuses nothing.
         disable_group_fusion: HOROVOD_DISABLE_GROUP_FUSION: grouped allreduces run alone.
+        unfused: per process set id, the bytes from which a single CPU tensor runs alone
+            (missing or 0: never).
     """
     if threshold <= 0:
         return [[entry] for entry in entries]
@@ -69,6 +75,11 @@ def plan_fusion(
         )
         count = prod(shapes[0]) if len(shapes) == 1 else sum(map(prod, shapes))
         nbytes = count * ITEMSIZES[response.dtype]
+        if unfused and len(shapes) == 1 and response.device == "CPU":
+            alone = unfused.get(response.process_set_id, 0)
+            if 0 < alone <= nbytes:
+                units.append([entry])
+                continue
         found = open_units.get(key)
         if found is not None and found[1] + nbytes <= threshold:
             found[0].append(entry)
@@ -78,3 +89,16 @@ def plan_fusion(
             units.append(unit)
             open_units[key] = (unit, nbytes)
     return units
+
+
+def unfused_sizes(
+    process_sets: Mapping[int, ProcessSetState], configured: int | None
+) -> dict[int, int]:
+    """Per process set this rank belongs to, the bytes from which a single CPU tensor runs
+    alone: ``configured`` (BAGUAHVD_UNFUSED_BYTES) when set, else its communicator's own
+    :attr:`~baguahvd.backends.base.Communicator.unfused_bytes`."""
+    return {
+        ident: configured if configured is not None else (state.comm.unfused_bytes or 0)
+        for ident, state in process_sets.items()
+        if state.comm is not None
+    }

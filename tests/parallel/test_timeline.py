@@ -15,6 +15,7 @@ os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
 
 import baguahvd.torch as hvd  # noqa: E402
 from baguahvd.algorithms import ByteGradAlgorithm  # noqa: E402
+from baguahvd.runtime.state import runtime  # noqa: E402
 from baguahvd.torch.algorithms.optimizer import make_algorithm_optimizer  # noqa: E402
 
 
@@ -68,6 +69,36 @@ def test_timeline_records_horovods_activities(rank: int, size: int, tmp_path: Pa
     for name, pid in rows.items():
         phases = [e["ph"] for e in events if e.get("pid") == pid and e["ph"] in "BE"]
         assert phases.count("B") == phases.count("E"), name
+
+
+def test_large_tensors_skip_the_fusion_buffer(rank: int, size: int, tmp_path: Path) -> None:
+    # The big tensor has the data plane's unfused size (2 MiB over MPI); 4 KB ones do not.
+    engine = runtime.engine
+    assert engine is not None
+    comm = engine.process_sets[0].comm
+    assert comm is not None and comm.unfused_bytes is not None
+    unfused = comm.unfused_bytes
+    path = tmp_path / "unfused.json"
+    big, small = torch.full((unfused // 4,), float(rank + 1)), torch.full((1024,), float(rank))
+    hvd.start_timeline(str(path))
+    hvd.barrier()
+    for _ in range(3):  # a burst: one cycle, with the two small tensors fused
+        inputs = [big.clone(), small.clone(), small.clone()]
+        handles = [hvd.allreduce_async_(t, name=f"unfused.{i}", op=hvd.Average)
+                   for i, t in enumerate(inputs)]
+        big_out, *small_out = [hvd.synchronize(h) for h in handles]
+        assert torch.all(big_out == (size + 1) / 2)
+        for out in small_out:
+            assert torch.all(out == (size - 1) / 2)
+    hvd.stop_timeline()
+    hvd.barrier()
+    if rank != 0:
+        return
+    events = _load(path)
+    rows = _rows(events)
+    activities = _activities(events, rows["allreduce.unfused.0"])
+    assert activities.count("ALLREDUCE") == 3 and "MEMCPY_IN_FUSION_BUFFER" not in activities
+    assert "MEMCPY_IN_FUSION_BUFFER" in _activities(events, rows["allreduce.unfused.1"])
 
 
 def test_timeline_shows_the_bagua_algorithm(rank: int, size: int, tmp_path: Path) -> None:

@@ -27,6 +27,8 @@ from baguahvd.common.config import Config
         ("HOROVOD_NUM_NCCL_STREAMS", "0", "less than 1"),
         ("BAGUAHVD_TIMELINE_START_STEP", "2.5", "whole number"),
         ("BAGUAHVD_ELASTIC_RESTART", "-1", "negative"),
+        ("BAGUAHVD_UNFUSED_BYTES", "-1", "negative"),
+        ("BAGUAHVD_UNFUSED_BYTES", "2.5", "whole number"),
     ],
 )
 def test_meaningless_numbers_are_rejected(variable: str, value: str, reason: str) -> None:
@@ -45,6 +47,8 @@ def test_meaningless_numbers_are_rejected(variable: str, value: str, reason: str
         ("HOROVOD_CACHE_CAPACITY", "16.0", "cache_capacity", 16),
         ("BAGUAHVD_BUCKET_SIZE", "1", "bucket_bytes", 1),
         ("HOROVOD_NUM_NCCL_STREAMS", "2", "num_nccl_streams", 2),
+        ("BAGUAHVD_UNFUSED_BYTES", "0", "unfused_bytes", 0),
+        ("BAGUAHVD_UNFUSED_BYTES", "4194304", "unfused_bytes", 4 << 20),
     ],
 )
 def test_meaningful_numbers_are_read_exactly(
@@ -53,6 +57,13 @@ def test_meaningful_numbers_are_read_exactly(
     config = Config.from_env({variable: value})
     assert getattr(config, field) == expected
     assert type(getattr(config, field)) is type(expected)
+
+
+def test_unset_unfused_size_leaves_it_to_the_data_plane() -> None:
+    assert Config.from_env({}).unfused_bytes is None
+    assert Config.from_env({"BAGUAHVD_UNFUSED_BYTES": " "}).unfused_bytes is None
+    # No Horovod alias: Horovod fuses every tensor.
+    assert Config.from_env({"HOROVOD_UNFUSED_BYTES": "0"}).unfused_bytes is None
 
 
 def test_shutdown_below_check_time_is_rejected_not_ignored() -> None:

@@ -10,7 +10,7 @@ from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.cache import cache_key, may_cache, response_cacheable
 from baguahvd.engine.dispatch import Dispatcher
-from baguahvd.engine.fusion import plan_fusion
+from baguahvd.engine.fusion import plan_fusion, unfused_sizes
 from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.lifecycle import ABNORMAL_STATES, RUNNING_STATES, Event, State, transition
 from baguahvd.engine.messages import OpType, Response
@@ -90,6 +90,49 @@ def test_grouped_allreduces_run_alone_when_group_fusion_is_disabled() -> None:
     assert _names(plan_fusion(entries, threshold=1024, disable_group_fusion=True)) == [
         ["a", "b"], ["group"]
     ]
+
+
+def test_large_cpu_tensors_run_alone_from_their_sets_unfused_size() -> None:
+    # 64 float32 elements are 256 bytes: at the unfused size, so "big" skips the buffer.
+    entries = [_allreduce("a", 4), _allreduce("big", 64), _allreduce("b", 4),
+               _allreduce("just_under", 63)]
+    assert _names(plan_fusion(entries, threshold=1 << 20, unfused={0: 256})) == [
+        ["a", "b", "just_under"], ["big"]
+    ]
+
+
+@pytest.mark.parametrize(
+    ("replaced", "unfused"),
+    [
+        ({"device": "GPU"}, {0: 256}),  # device copies are cheap: fused as before
+        ({"shapes": ((64,), (1,))}, {0: 256}),  # a grouped allreduce stays one unit
+        ({}, {0: 0}),  # BAGUAHVD_UNFUSED_BYTES=0: Horovod's plan
+        ({}, {1: 256}),  # another set's size does not apply
+        ({}, {}),
+    ],
+)
+def test_large_tensors_stay_fused_outside_the_rule(
+    replaced: dict[str, object], unfused: dict[int, int]
+) -> None:
+    big, small = _allreduce("big", 64)[0], _allreduce("a", 4)[0]
+    device = {"device": replaced["device"]} if "device" in replaced else {}
+    entries = [(big._replace(**replaced), "big"),  # type: ignore[arg-type]
+               (small._replace(**device), "a")]  # type: ignore[arg-type]
+    assert _names(plan_fusion(entries, threshold=1 << 20, unfused=unfused)) == [["big", "a"]]
+
+
+def test_unfused_sizes_come_from_the_communicators_unless_configured() -> None:
+    class Slow(SelfCommunicator):
+        unfused_bytes = 8 << 20
+
+    sets = {
+        0: ProcessSetState(0, [0, 1], Slow()),
+        1: ProcessSetState(1, [0], SelfCommunicator()),
+        2: ProcessSetState(2, [1], None),  # not a member: nothing runs here
+    }
+    assert unfused_sizes(sets, None) == {0: 8 << 20, 1: 0}
+    assert unfused_sizes(sets, 0) == {0: 0, 1: 0}
+    assert unfused_sizes(sets, 4096) == {0: 4096, 1: 4096}
 
 
 # ---------------------------------------------------------------------------------------

@@ -80,6 +80,10 @@ def wait(work: Any) -> None:
 class GlooCommunicator(Communicator):
     """A :class:`Communicator` over a ``ProcessGroupGloo`` (CPU tensors)."""
 
+    unfused_bytes = 8 << 20
+    """A call costs about a millisecond even on one machine, so only large tensors gain
+    (16 tensors of 8 MiB: 167-177 ms alone against 189-195 ms fused; of 2 MiB, fused wins)."""
+
     def __init__(self, group: Any) -> None:
         self.group = group
         self.rank = group.rank()
