@@ -421,9 +421,9 @@ class Engine:
             while lifecycle.error is None:
                 cycle_ms = self.settings.cycle_time_ms
                 # While requests are in flight, the next cycle starts at once: peers are
-                # waiting for this rank to announce what it has. Meanwhile, device units
-                # launched earlier complete as they finish.
-                pause = 0.0 if self._negotiation.in_flight() else cycle_ms / 1000.0
+                # waiting for this rank to announce what it has; an idle job pauses longer.
+                # Meanwhile, device units launched earlier complete as they finish.
+                pause = self._negotiation.pause_s(cycle_ms)
                 pending.wait(queue.wake, pause)
                 queue.wake.clear()
                 queue.let_burst_finish(cycle_ms)
@@ -453,7 +453,7 @@ class Engine:
         now = time.monotonic()
         if self._inspector.due(now):
             self._check_stalls(now)
-        words = negotiation.announcement(notice)
+        words = negotiation.announcement(notice, busy=len(self._dispatch.pending) > 0)
         # From here until the cycle ends, ranks are in the middle of the same exchange.
         lifecycle.begin_cycle()
         agreed = self.control.bitwise_and(words, self._waiting)

@@ -5,7 +5,8 @@ Each cycle every rank runs the same exchange on the control plane:
 1. One bitwise AND over a byte vector: bit ``s`` of the first part says "my request for
    cache slot ``s`` is pending" (or "I am not a member of its set"); the second part says
    "slot ``s`` is still valid for me"; the last byte holds two flags whose cleared bit means
-   yes: "I have something to send rank 0" and "I announce the end of the job". A slot that
+   yes: "I have something to send rank 0" and "I announce the end of the job", and one
+   that stays set while "I have nothing pending" (see :meth:`Negotiator.pause_s`). A slot that
    every rank marked pending runs from the cache without rank 0; one that some rank marked
    invalid is evicted everywhere and its requests are negotiated in full.
 2. Only when some rank has something to send: a gather of
@@ -66,6 +67,10 @@ FLAG_NOTHING_TO_SEND = 1
 FLAG_NO_SHUTDOWN = 2
 FLAG_NO_UNNAMED_IN_FULL = 4
 FLAG_UNNAMED_WAITS = 8
+FLAG_IDLE = 16
+
+IDLE_PAUSE_MAX_S = 0.016
+"""The longest pause between the cycles of an engine whose job has nothing pending."""
 
 Entry = tuple[Response, Request | None]
 """An agreed response and this rank's request for it (None where it has none)."""
@@ -122,10 +127,32 @@ class Negotiator:
         """(Rank 0) Autotune settings to send every rank in the next decision."""
         self.agreed_settings: Settings | None = None
         """Autotune settings received in this cycle's decision, not yet applied."""
+        self.idle_cycles = 0
+        """Cycles in a row in which no rank had anything pending."""
 
     def in_flight(self) -> bool:
         """Whether some request waits for the other ranks (the next cycle starts at once)."""
         return bool(self.sent or self.waiting_on_cache or self.to_send or self.proposal)
+
+    def pause_s(self, cycle_time_ms: float) -> float:
+        """How long the engine waits for a submission before its next cycle.
+
+        Nothing while a request of this rank is in flight: the peers wait for its
+        announcement. Otherwise the cycle time, doubled after every cycle in which no rank
+        had anything pending, up to :data:`IDLE_PAUSE_MAX_S`. An idle cycle is a round trip
+        between all ranks whose wait costs a fraction of a millisecond of CPU: at one per
+        millisecond an idle engine took 17-25% of a core, which the training threads on the
+        same cores need. A submission wakes its engine at once whatever the pause. Jobs with
+        process sets besides the global one keep the cycle time: a set's collective needs a
+        cycle of the non-members too, which no submission of theirs wakes (after a pause of
+        the whole job, the first one waited 16.6 ms instead of 1.6 ms).
+        """
+        if self.in_flight():
+            return 0.0
+        base = cycle_time_ms / 1000.0
+        if not self.idle_cycles or len(self.process_sets) > 1:
+            return base
+        return min(base * 2.0 ** min(self.idle_cycles, 16), max(base, IDLE_PAUSE_MAX_S))
 
     # -- admitting new requests -----------------------------------------------------------
 
@@ -185,8 +212,9 @@ class Negotiator:
 
     # -- the cycle --------------------------------------------------------------------------
 
-    def announcement(self, notice: Notice | None) -> np.ndarray:
-        """This rank's byte vector for the cycle's bitwise AND (see module docstring)."""
+    def announcement(self, notice: Notice | None, busy: bool = False) -> np.ndarray:
+        """This rank's byte vector for the cycle's bitwise AND (see module docstring);
+        ``busy``: this rank has collectives running that the engine waits for."""
         capacity = self.cache.capacity
         hits = self.cache.not_member.copy()
         if self.waiting_on_cache:
@@ -196,6 +224,8 @@ class Negotiator:
             valid[list(self.stale_slots)] = False
             self.stale_slots.clear()
         flags = 0xFF
+        if busy or notice is not None or self.in_flight():
+            flags &= ~FLAG_IDLE
         if self.to_send or notice is not None or self.proposal is not None:
             flags &= ~FLAG_NOTHING_TO_SEND
         if notice is not None:
@@ -221,6 +251,7 @@ class Negotiator:
         """The cycle's agreed work from the AND of every rank's vector (after the full
         negotiation with rank 0 when some rank had something to send), and how many of the
         entries, at the end, were negotiated in full."""
+        self.idle_cycles = self.idle_cycles + 1 if int(agreed[-1]) & FLAG_IDLE else 0
         capacity = self.cache.capacity
         span = (capacity + 7) // 8
         ready = np.unpackbits(agreed[:span])[:capacity].astype(bool)
