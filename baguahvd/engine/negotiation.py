@@ -141,11 +141,12 @@ class Negotiator:
         announcement. Otherwise the cycle time, doubled after every cycle in which no rank
         had anything pending, up to :data:`IDLE_PAUSE_MAX_S`. An idle cycle is a round trip
         between all ranks whose wait costs a fraction of a millisecond of CPU: at one per
-        millisecond an idle engine took 17-25% of a core, which the training threads on the
-        same cores need. A submission wakes its engine at once whatever the pause. Jobs with
-        process sets besides the global one keep the cycle time: a set's collective needs a
-        cycle of the non-members too, which no submission of theirs wakes (after a pause of
-        the whole job, the first one waited 16.6 ms instead of 1.6 ms).
+        millisecond an idle engine took 14-24% of a core, which the training threads on the
+        same cores need (``benchmarks/idle_engine.py``). A submission wakes its engine at
+        once whatever the pause. Jobs with process sets besides the global one keep the
+        cycle time: a set's collective needs a cycle of the non-members too, which no
+        submission of theirs wakes (after a pause of the whole job, the first one waited
+        16.6 ms instead of 1.6 ms).
         """
         if self.in_flight():
             return 0.0
