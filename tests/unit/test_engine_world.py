@@ -185,7 +185,7 @@ def test_a_dynamic_process_set_runs_only_its_members(job: Job) -> None:
     assert job.run(body) == [2.0, None, 2.0]
 
 
-def _cycles_while_idle(job: Job, seconds: float) -> list[int]:
+def _cycles_during(job: Job, seconds: float) -> list[int]:
     before = [engine.cycles for engine in job.engines]
     time.sleep(seconds)
     return [engine.cycles - start for engine, start in zip(job.engines, before)]
@@ -194,7 +194,7 @@ def _cycles_while_idle(job: Job, seconds: float) -> list[int]:
 def test_an_idle_job_pauses_longer_between_cycles_and_a_submission_wakes_it(job: Job) -> None:
     time.sleep(0.1)  # the pause has grown to its longest
     # At the cycle time (1 ms) every rank would cycle up to 500 times in half a second.
-    assert max(_cycles_while_idle(job, 0.5)) <= 0.5 / IDLE_PAUSE_MAX_S + 5
+    assert max(_cycles_during(job, 0.5)) <= 0.5 / IDLE_PAUSE_MAX_S + 5
 
     def body(rank: int, engine: Engine) -> tuple[float, float]:
         start = time.monotonic()
@@ -212,7 +212,7 @@ def test_the_idle_pause_keeps_the_cycle_time_while_a_rank_waits_for_the_others(
     time.sleep(0.1)
     pending = _allreduce(job.engines[0], torch.ones(1), "early")
     # Rank 0 announces its request every cycle, and the others answer at the cycle time.
-    assert min(_cycles_while_idle(job, 0.3)) >= 30
+    assert min(_cycles_during(job, 0.3)) >= 30
     late = [_allreduce(job.engines[r], torch.ones(1), "early") for r in (1, 2)]
     assert [_result(h).item() for h in (pending, *late)] == [3.0, 3.0, 3.0]
 
@@ -225,7 +225,7 @@ def test_jobs_with_process_sets_keep_the_cycle_time_while_idle(job: Job) -> None
     job.run(add)
     time.sleep(0.1)
     # A set's collective needs every rank's cycle, and nothing wakes the non-members.
-    assert min(_cycles_while_idle(job, 0.3)) >= 30
+    assert min(_cycles_during(job, 0.3)) >= 30
 
 
 def test_shutdown_on_one_rank_stops_every_rank(job: Job) -> None:
