@@ -6,8 +6,14 @@ set, dtype, reduce op, scale factors and device share a unit while the unit's by
 within ``HOROVOD_FUSION_THRESHOLD``; everything else (other collectives, errors, Adasum,
 grouped allreduces when group fusion is disabled, and single CPU tensors as large as their
 process set's ``unfused`` size, which are cheaper reduced alone than copied in and out of the
-fusion buffer) runs alone. Units keep the order of their first entry; entries keep their
-order inside a unit.
+fusion buffer) runs alone. Units keep the order of their first entry, with one exception: a
+large CPU tensor that runs alone goes ahead of the fused units of its process set that the
+cycle's earlier entries opened (up to that set's previous unit of any other kind), so that its
+transfer, which the link spends most of a step on, starts first, and the small tensors' calls
+follow it. Over a slow link a small call made while the backward pass keeps every core busy
+takes milliseconds during which the link would otherwise idle. Entries keep their order
+inside a unit. Every member of a set sees the same entries of that set, so every member
+makes the same moves.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ def plan_fusion(
     units: list[list[tuple[Response, Own]]] = []
     # Per fusion key, the unit still open for more tensors and its bytes so far.
     open_units: dict[tuple[object, ...], tuple[list[tuple[Response, Own]], int]] = {}
+    # The units of small allreduces (by id), which a large tensor run alone may pass.
+    fused: set[int] = set()
     prod = math.prod
     for entry in entries:
         response = entry[0]
@@ -78,7 +86,7 @@ def plan_fusion(
         if unfused and len(shapes) == 1 and response.device == "CPU":
             alone = unfused.get(response.process_set_id, 0)
             if 0 < alone <= nbytes:
-                units.append([entry])
+                _insert_ahead(units, [entry], fused, response.process_set_id)
                 continue
         found = open_units.get(key)
         if found is not None and found[1] + nbytes <= threshold:
@@ -87,8 +95,26 @@ def plan_fusion(
         else:
             unit = [entry]
             units.append(unit)
+            fused.add(id(unit))
             open_units[key] = (unit, nbytes)
     return units
+
+
+def _insert_ahead(
+    units: list[list[tuple[Response, Own]]], unit: list[tuple[Response, Own]],
+    fused: set[int], process_set_id: int,
+) -> None:
+    """Inserts ``unit`` before the fused units of ``process_set_id`` at the end of ``units``
+    (units of other sets in between are passed over, another unit of the set stops it)."""
+    position = len(units)
+    for index in range(len(units) - 1, -1, -1):
+        other = units[index]
+        if other[0][0].process_set_id != process_set_id:
+            continue
+        if id(other) not in fused:
+            break
+        position = index
+    units.insert(position, unit)
 
 
 def unfused_sizes(

@@ -96,8 +96,32 @@ def test_large_cpu_tensors_run_alone_from_their_sets_unfused_size() -> None:
     # 64 float32 elements are 256 bytes: at the unfused size, so "big" skips the buffer.
     entries = [_allreduce("a", 4), _allreduce("big", 64), _allreduce("b", 4),
                _allreduce("just_under", 63)]
+    # It also goes first: its transfer starts before the small tensors' call.
     assert _names(plan_fusion(entries, threshold=1 << 20, unfused={0: 256})) == [
-        ["a", "b", "just_under"], ["big"]
+        ["big"], ["a", "b", "just_under"]
+    ]
+
+
+def test_a_large_tensor_passes_its_sets_fused_units_only() -> None:
+    entries = [
+        _allreduce("a", 4),
+        (_allreduce("gathered", 4)[0]._replace(op=OpType.ALLGATHER), "gathered"),  # stops it
+        _allreduce("c", 4, dtype="float64"),  # a fused unit opened after it: passed
+        (_allreduce("other", 4)[0]._replace(process_set_id=1), "other"),  # passed over
+        _allreduce("big", 64),
+        _allreduce("d", 4),  # joins "a"'s unit, which is older than everything here
+        _allreduce("big2", 64),
+    ]
+    assert _names(plan_fusion(entries, threshold=1 << 20, unfused={0: 256})) == [
+        ["a", "d"], ["gathered"], ["big"], ["big2"], ["c"], ["other"]
+    ]
+
+
+def test_large_tensors_keep_their_order_among_themselves() -> None:
+    entries = [_allreduce("big1", 64), _allreduce("a", 4), _allreduce("big2", 64),
+               _allreduce("big3", 128)]
+    assert _names(plan_fusion(entries, threshold=1 << 20, unfused={0: 256})) == [
+        ["big1"], ["big2"], ["big3"], ["a"]
     ]
 
 
