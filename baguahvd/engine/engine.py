@@ -59,7 +59,7 @@ from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.autotune import Autotuner, Settings
 from baguahvd.engine.dispatch import CollectiveFailure, Dispatcher, Entry
 from baguahvd.engine.fusion import plan_fusion, unfused_sizes
-from baguahvd.engine.intake import RequestQueue
+from baguahvd.engine.intake import RequestQueue, ThreadActivity
 from baguahvd.engine.lifecycle import Lifecycle, State
 from baguahvd.engine.messages import OpType
 from baguahvd.engine.negotiation import Negotiator
@@ -149,8 +149,7 @@ class Engine:
             if config.autotune and self.rank == 0 and self.size > 1
             else None
         )
-        # Per submitting thread: the timeline activity of the requests it submits now.
-        self._activity = threading.local()
+        self._activity = ThreadActivity()
 
     @contextlib.contextmanager
     def activity(self, name: str) -> Iterator[None]:
@@ -160,7 +159,7 @@ class Engine:
         collectives, so a trace shows which collectives an algorithm issued without reading
         anything into their names. Blocks nest; the innermost one counts.
         """
-        previous = getattr(self._activity, "name", None)
+        previous = self._activity.name
         self._activity.name = name
         try:
             yield
@@ -354,7 +353,7 @@ class Engine:
             op, label, process_set_id, inputs, outputs, name, reduce_op, prescale, postscale,
             root, splits, payload,
         )
-        request.activity = getattr(self._activity, "name", None)
+        request.activity = self._activity.name
         if len(state.ranks) == 1:
             self._queue.check_unique(request)
             self._dispatch.run_alone(request, state)

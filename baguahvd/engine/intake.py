@@ -61,6 +61,13 @@ def call_site() -> str:
     return "<unknown>"
 
 
+class ThreadActivity(threading.local):
+    """Per submitting thread: the timeline activity tagging the requests it submits now (a
+    class default: looking up a thread-local's missing attribute raises and catches)."""
+
+    name: str | None = None
+
+
 class RequestQueue:
     """The queue between user threads and the engine thread (see module docstring)."""
 
