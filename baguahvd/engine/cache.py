@@ -26,8 +26,6 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Hashable
 
-import numpy as np
-
 from baguahvd.engine.messages import OpType, RequestMeta, Response
 
 CACHEABLE_OPS = frozenset(
@@ -101,9 +99,9 @@ class ResponseCache:
         self._slots: dict[tuple[int, Hashable], int] = {}
         self._recent: OrderedDict[int, None] = OrderedDict()
         self._free = list(range(capacity))
-        # Slots whose process set does not include this rank: their bit is always set, so
-        # the AND over all ranks only depends on the members.
-        self.not_member = np.zeros(capacity, dtype=bool)
+        self.not_member = 0
+        """Slots whose process set does not include this rank, bit ``s`` for slot ``s``:
+        their bit is always set, so the AND over all ranks only depends on the members."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -147,7 +145,10 @@ class ResponseCache:
         self._entries[slot] = _Entry(ident[1], response, signature)
         self._slots[ident] = slot
         self._recent[slot] = None
-        self.not_member[slot] = not member
+        if member:
+            self.not_member &= ~(1 << slot)
+        else:
+            self.not_member |= 1 << slot
         return evicted
 
     def touch(self, slot: int) -> None:
@@ -170,7 +171,7 @@ class ResponseCache:
             return
         del self._slots[(entry.response.process_set_id, entry.key)]
         del self._recent[slot]
-        self.not_member[slot] = False
+        self.not_member &= ~(1 << slot)
         heapq.heappush(self._free, slot)
 
     def evict_process_set(self, process_set_id: int) -> None:

@@ -38,7 +38,7 @@ cache: cached announcements cannot count ranks that joined.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 import numpy as np
 
@@ -106,6 +106,11 @@ class Negotiator:
         self.timeline = timeline
         self.inspector = inspector
         self.cache = ResponseCache(cache_capacity)
+        self._span = (cache_capacity + 7) // 8
+        """Bytes of each bit vector in the announcement: bit ``s % 8`` of byte ``s // 8``
+        stands for slot ``s``."""
+        self._all_slots = (1 << cache_capacity) - 1
+        self._all_valid = self._all_slots.to_bytes(self._span, "little")
         self.waiting_on_cache: dict[int, Request] = {}
         """Requests admitted as cache hits, by slot."""
         self.stale_slots: set[int] = set()
@@ -216,13 +221,12 @@ class Negotiator:
     def announcement(self, notice: Notice | None, busy: bool = False) -> np.ndarray:
         """This rank's byte vector for the cycle's bitwise AND (see module docstring);
         ``busy``: this rank has collectives running that the engine waits for."""
-        capacity = self.cache.capacity
-        hits = self.cache.not_member.copy()
-        if self.waiting_on_cache:
-            hits[list(self.waiting_on_cache)] = True
-        valid = np.ones(capacity, dtype=bool)
+        span = self._span
+        hits = self.cache.not_member | _bits(self.waiting_on_cache.keys(), span)
+        valid = self._all_valid
         if self.stale_slots:
-            valid[list(self.stale_slots)] = False
+            invalid = _bits(self.stale_slots, span)
+            valid = (self._all_slots & ~invalid).to_bytes(span, "little")
             self.stale_slots.clear()
         flags = 0xFF
         if busy or notice is not None or self.in_flight():
@@ -239,9 +243,8 @@ class Negotiator:
                 flags &= ~FLAG_UNNAMED_WAITS
         else:
             flags &= ~FLAG_UNNAMED_WAITS
-        return np.concatenate(
-            [np.packbits(hits), np.packbits(valid), np.array([flags], dtype=np.uint8)]
-        )
+        words = hits.to_bytes(span, "little") + valid + bytes((flags,))
+        return np.frombuffer(bytearray(words), dtype=np.uint8)
 
     @staticmethod
     def end_agreed(agreed: np.ndarray) -> bool:
@@ -252,27 +255,29 @@ class Negotiator:
         """The cycle's agreed work from the AND of every rank's vector (after the full
         negotiation with rank 0 when some rank had something to send), and how many of the
         entries, at the end, were negotiated in full."""
-        self.idle_cycles = self.idle_cycles + 1 if int(agreed[-1]) & FLAG_IDLE else 0
-        capacity = self.cache.capacity
-        span = (capacity + 7) // 8
-        ready = np.unpackbits(agreed[:span])[:capacity].astype(bool)
-        still_valid = np.unpackbits(agreed[span : 2 * span])[:capacity].astype(bool)
-        for slot in np.flatnonzero(~still_valid).tolist():
-            ready[slot] = False
-            self.cache.evict(slot)
-            stale = self.waiting_on_cache.pop(slot, None)
-            if stale is not None:
-                self.to_send.append(stale)
-        slots = np.flatnonzero(ready).tolist()
+        span = self._span
+        words = agreed.tobytes()
+        flags = words[-1]
+        self.idle_cycles = self.idle_cycles + 1 if flags & FLAG_IDLE else 0
+        ready = int.from_bytes(words[:span], "little")
+        if words[span : 2 * span] != self._all_valid:
+            invalid = self._all_slots & ~int.from_bytes(words[span : 2 * span], "little")
+            ready &= ~invalid
+            for slot in _set_bits(invalid, span):
+                self.cache.evict(slot)
+                stale = self.waiting_on_cache.pop(slot, None)
+                if stale is not None:
+                    self.to_send.append(stale)
+        slots = _set_bits(ready, span)
         waiting = self.waiting_on_cache.pop
         entries: list[Entry] = [
             (response, waiting(slot, None))
             for slot, response in zip(slots, self.cache.take(slots))
         ]
         if self.unnamed_pending:
-            self._settle_unnamed(entries, int(agreed[-1]))
+            self._settle_unnamed(entries, flags)
         negotiated: list[Response] = []
-        if not int(agreed[-1]) & FLAG_NOTHING_TO_SEND:
+        if not flags & FLAG_NOTHING_TO_SEND:
             negotiated = self.negotiate(None).responses
             sent = self.sent.pop
             for response in negotiated:
@@ -344,13 +349,9 @@ class Negotiator:
 
     def announce_end(self, notice: Notice) -> None:
         """Runs the announcing half of a cycle with nothing but ``notice`` in it."""
-        span = (self.cache.capacity + 7) // 8
         flags = 0xFF & ~FLAG_NOTHING_TO_SEND & ~FLAG_NO_SHUTDOWN
-        words = np.concatenate(
-            [np.zeros(span, dtype=np.uint8), np.full(span, 0xFF, dtype=np.uint8),
-             np.array([flags], dtype=np.uint8)]
-        )
-        self.control.bitwise_and(words)
+        words = bytes(self._span) + self._all_valid + bytes((flags,))
+        self.control.bitwise_and(np.frombuffer(bytearray(words), dtype=np.uint8))
         self.exchange(RankReport([], [], notice))
 
     def remember(self, response: Response, request: Request | None) -> None:
@@ -401,6 +402,38 @@ class Negotiator:
         self.waiting_on_cache.clear()
         return pending
 
+
+
+_FEW_BITS = 16
+"""Up to this many slots, bits are set and found one by one in Python integers; beyond,
+numpy does it in bulk (a burst of hundreds of cache hits)."""
+
+
+def _bits(slots: Collection[int], span: int) -> int:
+    """An integer with bit ``s`` set for each slot ``s`` of ``slots``."""
+    if len(slots) <= _FEW_BITS:
+        bits = 0
+        for slot in slots:
+            bits |= 1 << slot
+        return bits
+    flags = np.zeros(span * 8, dtype=bool)
+    flags[list(slots)] = True
+    return int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
+
+
+def _set_bits(bits: int, span: int) -> list[int]:
+    """The positions of the set bits of ``bits`` (below ``span`` bytes), lowest first."""
+    positions: list[int] = []
+    for _ in range(_FEW_BITS):
+        if not bits:
+            return positions
+        lowest = bits & -bits
+        positions.append(lowest.bit_length() - 1)
+        bits ^= lowest
+    if bits:
+        rest = np.frombuffer(bits.to_bytes(span, "little"), dtype=np.uint8)
+        positions += np.flatnonzero(np.unpackbits(rest, bitorder="little")).tolist()
+    return positions
 
 
 def _counted(meta: RequestMeta) -> bool:

@@ -18,6 +18,7 @@ from baguahvd.engine.cache import Lookup, ResponseCache
 from baguahvd.engine.completion import CollectiveFailure, Completions
 from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, RequestMeta, Response, build_response
+from baguahvd.engine.negotiation import _bits, _set_bits
 from baguahvd.engine.requests import Request
 
 # ---------------------------------------------------------------------------------------
@@ -258,15 +259,28 @@ def test_cache_put_same_key_replaces() -> None:
     assert cache.lookup(0, "a", ("new",))[0] is Lookup.HIT
 
 
+@pytest.mark.parametrize(
+    "slots",
+    [[], [0], [7, 8], [1023], list(range(0, 1024, 3)), [5, 16, 17, 200, 1000] + list(range(40, 60))],
+)
+def test_slot_bits_round_trip(slots: list[int]) -> None:
+    # Few slots take the Python path, many the numpy one; both agree with the bytes on the
+    # wire: bit s % 8 of byte s // 8.
+    bits = _bits(set(slots), 128)
+    assert _set_bits(bits, 128) == sorted(slots)
+    wire = bits.to_bytes(128, "little")
+    assert [s for s in range(1024) if wire[s // 8] >> (s % 8) & 1] == sorted(slots)
+
+
 def test_cache_evict_and_not_member_bits() -> None:
     cache = ResponseCache(4)
     cache.put(_response("a", process_set_id=0), None, member=True)
     cache.put(_response("b", process_set_id=7), None, member=False)
     cache.put(_response("c", process_set_id=7), None, member=False)
-    assert cache.not_member.tolist() == [False, True, True, False]
+    assert cache.not_member == 0b0110
     cache.evict_process_set(7)
     assert len(cache) == 1
-    assert cache.not_member.tolist() == [False, False, False, False]
+    assert cache.not_member == 0
     assert cache.lookup(7, "b", None)[0] is Lookup.MISS
     assert cache.lookup(0, "a", None)[0] is Lookup.HIT
     cache.evict(0)
