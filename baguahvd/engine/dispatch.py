@@ -206,18 +206,21 @@ class Dispatcher:
     def execute(self, unit: list[Entry], comm: Communicator) -> None:
         """Runs one unit (a fused group of allreduces, or one other collective) and
         completes its handles."""
-        # Grad mode is per thread and on by default, here as in the user's thread
-        # (single-member sets): the collectives write users' tensors as raw buffers, leaves
-        # that require grad included, and their outputs must not join anyone's autograd
-        # graph. Tensors made under torch.inference_mode() (an evaluation loop's metrics)
-        # can only be written in inference mode, and outputs made for them are inference
-        # tensors as well.
+        # The collectives write users' tensors as raw buffers, leaves that require grad
+        # included, and their outputs must not join anyone's autograd graph: without grad
+        # (the engine thread turns it off for good; a user's thread, for single-member
+        # sets, has it on). Tensors made under torch.inference_mode() (an evaluation loop's
+        # metrics) can only be written in inference mode, and outputs made for them are
+        # inference tensors as well.
         inference = any(
             tensor.is_inference()
             for _, request in unit if request is not None
             for tensor in (*request.inputs, *(request.outputs or ()))
         )
-        with torch.inference_mode() if inference else torch.no_grad():
+        if inference or torch.is_grad_enabled():
+            with torch.inference_mode() if inference else torch.no_grad():
+                self._execute_traced(unit, comm)
+        else:
             self._execute_traced(unit, comm)
 
     def _execute_traced(self, unit: list[Entry], comm: Communicator) -> None:

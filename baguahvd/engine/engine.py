@@ -407,6 +407,7 @@ class Engine:
 
     def _run(self) -> None:
         _tighten_timer_slack()
+        torch.set_grad_enabled(False)  # for this thread: collectives write raw buffers
         if self.config.thread_affinity:
             cores = self.config.thread_affinity
             try:

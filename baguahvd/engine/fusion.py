@@ -54,7 +54,7 @@ def plan_fusion(
         unfused: per process set id, the bytes from which a single CPU tensor runs alone
             (missing or 0: never).
     """
-    if threshold <= 0:
+    if threshold <= 0 or len(entries) < 2:
         return [[entry] for entry in entries]
     units: list[list[tuple[Response, Own]]] = []
     # Per fusion key, the unit still open for more tensors and its bytes so far.

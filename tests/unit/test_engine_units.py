@@ -261,7 +261,11 @@ def test_cache_put_same_key_replaces() -> None:
 
 @pytest.mark.parametrize(
     "slots",
-    [[], [0], [7, 8], [1023], list(range(0, 1024, 3)), [5, 16, 17, 200, 1000] + list(range(40, 60))],
+    [
+        [], [0], [7, 8], [1023],
+        list(range(0, 1024, 3)),
+        [5, 16, 17, 200, 1000, *range(40, 60)],
+    ],
 )
 def test_slot_bits_round_trip(slots: list[int]) -> None:
     # Few slots take the Python path, many the numpy one; both agree with the bytes on the

@@ -54,7 +54,12 @@ def _typed(tensor: torch.Tensor) -> list[Any]:
         mpi_type = _MPI_TYPES[tensor.dtype]
     except KeyError:
         raise TypeError(f"The MPI backend cannot reduce tensors of type {tensor.dtype}.") from None
-    return [tensor.detach().reshape(-1).numpy(), mpi_type]
+    # numpy() views a contiguous tensor of any shape, which MPI takes as flat memory.
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.reshape(-1)
+    return [tensor.numpy(), mpi_type]
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
