@@ -51,23 +51,3 @@ def test_private_communicator_of_a_background_thread(rank: int, size: int) -> No
         pass
     assert out.tolist() == [float(size * (size + 1) // 2)] * 3
     private.free()
-
-
-def test_small_and_large_allreduces_on_both_halves(rank: int, size: int) -> None:
-    # Under the split data plane, allreduces up to 64 KiB run on the MPI twin and larger
-    # ones on gloo; the results must not depend on which.
-    limit = gloo.TwinnedCommunicator.twin_allreduce_bytes // 4
-    for count in (1, limit, limit + 1, 4 * limit):
-        for dtype in (torch.float32, torch.float16, torch.int64):
-            def values(r: int, count: int = count, dtype: torch.dtype = dtype) -> torch.Tensor:
-                return torch.arange(count, dtype=torch.float64).add(r).to(dtype)
-
-            total = hvd.allreduce(values(rank), op=hvd.Sum, name=f"halves.{count}.{dtype}")
-            # Exact in float32 (float16 is reduced in float32 and rounded once).
-            expected = sum(values(r).double() for r in range(size))
-            assert torch.equal(total, expected.to(dtype)), (count, dtype)
-        mean = hvd.allreduce(torch.full((count,), float(rank)), name=f"halves.mean.{count}")
-        assert torch.allclose(mean, torch.full((count,), (size - 1) / 2))
-        inplace = torch.full((count,), float(rank + 1))
-        hvd.allreduce_(inplace, op=hvd.Max, name=f"halves.max.{count}")
-        assert inplace.eq(float(size)).all()

@@ -11,7 +11,6 @@ import torch
 from baguahvd.backends import gloo
 from baguahvd.backends.base import SelfCommunicator
 from baguahvd.backends.gloo import split
-from baguahvd.common.ops import ReduceOp
 
 
 class _Control:
@@ -62,26 +61,13 @@ def test_one_host_meets_on_loopback() -> None:
 
 
 class _Group:
-    """The bits of a ProcessGroupGloo that a GlooCommunicator uses: its rank and size, and
-    an allreduce (of one rank) that records its calls."""
-
-    def __init__(self) -> None:
-        self.allreduced: list[int] = []
+    """The bits of a ProcessGroupGloo that a GlooCommunicator reads at construction."""
 
     def rank(self) -> int:
         return 0
 
     def size(self) -> int:
         return 1
-
-    def allreduce(self, tensors: list[torch.Tensor], options: Any) -> Any:
-        self.allreduced.append(tensors[0].numel())
-        return _Done()
-
-
-class _Done:
-    def wait(self) -> None:
-        pass
 
 
 class _Twin(SelfCommunicator):
@@ -100,10 +86,6 @@ class _Twin(SelfCommunicator):
     def free(self) -> None:
         self.freed = True
 
-    def allreduce(self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: Any) -> None:
-        self.calls.append(f"allreduce {tensor_out.numel()}")
-        super().allreduce(tensor_in, tensor_out, op)
-
 
 def test_pairwise_exchanges_run_on_the_twin() -> None:
     twin = _Twin()
@@ -117,21 +99,3 @@ def test_pairwise_exchanges_run_on_the_twin() -> None:
     assert gloo.twin_of(alone) is alone
     comm.free()
     assert twin.freed
-
-
-def test_small_allreduces_run_on_the_twin_and_large_ones_on_gloo() -> None:
-    twin = _Twin()
-    group = _Group()
-    comm = gloo.TwinnedCommunicator(group, twin)
-    limit = comm.twin_allreduce_bytes // 4
-    small_out = torch.zeros(limit)
-    comm.allreduce(torch.ones(limit), small_out, ReduceOp.SUM)
-    assert twin.calls == [f"allreduce {limit}"] and small_out.eq(1.0).all()
-    assert group.allreduced == []
-    large = torch.ones(limit + 1)
-    comm.allreduce(large, large, ReduceOp.SUM)
-    assert group.allreduced == [limit + 1] and len(twin.calls) == 1
-    # Bytes count, not elements: float64 halves the count that stays on the twin.
-    comm.allreduce(torch.ones(limit // 2 + 1, dtype=torch.float64),
-                   torch.zeros(limit // 2 + 1, dtype=torch.float64), ReduceOp.SUM)
-    assert group.allreduced == [limit + 1, limit // 2 + 1]

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from baguahvd.backends.base import Communicator, ControlPlane
 from baguahvd.backends.gloo.communicator import GlooCommunicator
 from baguahvd.backends.gloo.setup import GlooWorld
-from baguahvd.common.ops import ReduceOp
 
 _SIOCGIFADDR = 0x8915
 
@@ -122,27 +121,11 @@ class TwinnedCommunicator(GlooCommunicator):
     (33.6 MB sendrecv at 100 Mbit/s: 5.60 s against MPI's 2.85 s; 8.4 MB alltoall 0.65 s
     against 0.35 s), where its allreduce beat MPI's (2.83 s against 3.10 s, with a seventh
     of the CPU; ``benchmarks/results/data_plane/collectives.txt``).
-
-    Small allreduces (up to :attr:`twin_allreduce_bytes`) run on the twin too: a gloo
-    call costs a fraction of a millisecond even for a few bytes. Over the emulated 1 Gbit/s
-    link (``benchmarks/emulated_cluster.sh``), in place, gloo against MPI: 4 KB 0.35
-    against 0.034 ms, 64 KB 0.59 against 0.18 ms; 256 KB 2.1 against 1.7 ms; 1 MB and more
-    even. MPI's blocking call busy-polls, but only briefly here: the engine runs a
-    collective once negotiation found every member ready for it, and a non-blocking call
-    polled with sleeps was slower than gloo (each of Open MPI's rounds waits for a poll).
     """
-
-    twin_allreduce_bytes = 64 << 10
 
     def __init__(self, group: Any, twin: Communicator) -> None:
         super().__init__(group)
         self.twin = twin
-
-    def allreduce(self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp) -> None:
-        if tensor_out.numel() * tensor_out.element_size() <= self.twin_allreduce_bytes:
-            self.twin.allreduce(tensor_in, tensor_out, op)
-            return
-        super().allreduce(tensor_in, tensor_out, op)
 
     def sendrecv(self, tensor_out: torch.Tensor, tensor_in: torch.Tensor, peer: int) -> None:
         self.twin.sendrecv(tensor_out, tensor_in, peer)
