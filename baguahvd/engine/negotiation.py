@@ -243,8 +243,7 @@ class Negotiator:
                 flags &= ~FLAG_UNNAMED_WAITS
         else:
             flags &= ~FLAG_UNNAMED_WAITS
-        words = hits.to_bytes(span, "little") + valid + bytes((flags,))
-        return np.frombuffer(bytearray(words), dtype=np.uint8)
+        return _vector(hits.to_bytes(span, "little") + valid + bytes((flags,)))
 
     @staticmethod
     def end_agreed(agreed: np.ndarray) -> bool:
@@ -350,8 +349,7 @@ class Negotiator:
     def announce_end(self, notice: Notice) -> None:
         """Runs the announcing half of a cycle with nothing but ``notice`` in it."""
         flags = 0xFF & ~FLAG_NOTHING_TO_SEND & ~FLAG_NO_SHUTDOWN
-        words = bytes(self._span) + self._all_valid + bytes((flags,))
-        self.control.bitwise_and(np.frombuffer(bytearray(words), dtype=np.uint8))
+        self.control.bitwise_and(_vector(bytes(self._span) + self._all_valid + bytes((flags,))))
         self.exchange(RankReport([], [], notice))
 
     def remember(self, response: Response, request: Request | None) -> None:
@@ -403,10 +401,14 @@ class Negotiator:
         return pending
 
 
-
 _FEW_BITS = 16
 """Up to this many slots, bits are set and found one by one in Python integers; beyond,
 numpy does it in bulk (a burst of hundreds of cache hits)."""
+
+
+def _vector(words: bytes) -> np.ndarray:
+    """The control plane's writable ``uint8`` vector holding ``words``."""
+    return np.frombuffer(bytearray(words), dtype=np.uint8)
 
 
 def _bits(slots: Collection[int], span: int) -> int:
@@ -416,9 +418,9 @@ def _bits(slots: Collection[int], span: int) -> int:
         for slot in slots:
             bits |= 1 << slot
         return bits
-    flags = np.zeros(span * 8, dtype=bool)
-    flags[list(slots)] = True
-    return int.from_bytes(np.packbits(flags, bitorder="little").tobytes(), "little")
+    marked = np.zeros(span * 8, dtype=bool)
+    marked[list(slots)] = True
+    return int.from_bytes(np.packbits(marked, bitorder="little").tobytes(), "little")
 
 
 def _set_bits(bits: int, span: int) -> list[int]:
