@@ -18,6 +18,7 @@ import torch
 
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.common.ops import ReduceOp
+from baguahvd.kernels import cupy_api
 
 BFLOAT16_MIN_VERSION = 21000
 """NCCL 2.10 is the first to reduce bfloat16."""
@@ -152,6 +153,35 @@ def thread_cuda_device() -> torch.device | None:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
+def set_cupy_device(device: torch.device) -> None:
+    """CuPy's current device for this thread."""
+    import_cupy().cuda.Device(device.index).use()
+
+
+def new_stream(device: torch.device) -> int:
+    """The handle of a high-priority torch stream on ``device`` for a background thread's
+    communication. torch takes it from its pool, whose streams live as long as the process."""
+    return int(torch.cuda.Stream(device=device, priority=-1).cuda_stream)
+
+
+def record_event(device: torch.device, ptr: int) -> Any:
+    """A CuPy event recorded on the stream of handle ``ptr`` on ``device``, whatever CuPy
+    device the calling thread has."""
+    cupy = import_cupy()
+    with cupy.cuda.Device(device.index):
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(external_stream(cupy, ptr))
+    return event
+
+
+def wait_event(device: torch.device, ptr: int, event: Any) -> None:
+    """Makes the stream of handle ``ptr`` on ``device`` wait for ``event`` (from
+    :func:`record_event` or a :class:`StreamMark`); the host does not wait."""
+    cupy = import_cupy()
+    with cupy.cuda.Device(device.index):
+        external_stream(cupy, ptr).wait_event(event)
+
+
 class StreamMark(NamedTuple):
     """Where a submitted collective stands in its submitter's stream: the device, the
     submitting thread's current stream (which consumes the results) and an event recorded on
@@ -173,16 +203,14 @@ def mark_submission(tensors: Sequence[torch.Tensor]) -> StreamMark | None:
     with cupy.cuda.Device(device.index):
         consumer = current_stream_ptr(device)
         ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(external_stream(cupy, consumer))
+        ready.record(external_stream(cupy, consumer, device.index))
     return StreamMark(device, consumer, ready)
 
 
-def external_stream(cupy: Any, ptr: int) -> Any:
-    """CuPy's view of the CUDA stream of handle ``ptr`` (a stream CuPy did not create)."""
-    stream = cupy.cuda.Stream
-    if hasattr(stream, "from_external"):
-        return stream.from_external(ptr)
-    return cupy.cuda.ExternalStream(ptr)
+def external_stream(cupy: Any, ptr: int, device_index: int = -1) -> Any:
+    """CuPy's view of the CUDA stream of handle ``ptr`` (a stream CuPy did not create), in
+    the form the installed CuPy offers (:func:`baguahvd.kernels.cupy_api.external_stream`)."""
+    return cupy_api.external_stream(cupy, ptr, device_index)
 
 
 def device_ptr(tensor: torch.Tensor, offset: int = 0) -> int:

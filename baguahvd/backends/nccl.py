@@ -217,7 +217,9 @@ class NCCLCommunicator(Communicator):
             self._launch(what, device, launch)
             return
         cupy = self._cupy
-        consumer = cuda_support.external_stream(cupy, cuda_support.current_stream_ptr(device))
+        consumer = cuda_support.external_stream(
+            cupy, cuda_support.current_stream_ptr(device), int(device.index or 0)
+        )
         ready = cupy.cuda.Event(disable_timing=True)
         ready.record(consumer)
         self._stream.wait_event(ready)

@@ -2,9 +2,10 @@
 
 Creation is collective and has three steps, each of which waits for the peers:
 
-1. the set's first rank makes an NCCL unique id and MPI broadcasts it to the members; the
-   broadcast is non-blocking (``Ibcast``) and polled, so a member that never arrives cannot
-   hold the others in MPI;
+1. the set's first rank makes an NCCL unique id and the set's id channel carries it to the
+   members as 128 bytes (:func:`exchange_unique_id`): MPI's non-blocking ``Ibcast`` in MPI
+   jobs, the job's store in gloo jobs (:class:`baguahvd.backends.gloo.StoreIdChannel`);
+   either is polled, so a member that never arrives cannot hold the others;
 2. ``ncclCommInitRank`` builds the communicator (NCCL's bootstrap: every member must call it);
 3. a one-byte allreduce warms the communicator up: NCCL connects the peers lazily at the
    first collective, and that setup blocks the calling thread.
@@ -33,11 +34,11 @@ from collections.abc import Callable
 from typing import Any
 
 from baguahvd.backends.cuda_support import NCCLError, NCCLTimeoutError
+from baguahvd.kernels import cupy_api
 
 logger = logging.getLogger(__name__)
 
-UNIQUE_ID_BYTES = 128
-"""Size of ``ncclUniqueId``; CuPy hands it over as a tuple of signed chars."""
+UNIQUE_ID_BYTES = cupy_api.UNIQUE_ID_BYTES
 
 _FIRST_POLL_S = 1e-4
 _LONGEST_POLL_S = 1e-2
@@ -102,7 +103,7 @@ class _Helper(threading.Thread):
     """Steps 2 and 3 of the module docstring, off the calling thread."""
 
     def __init__(
-        self, cupy: Any, device_index: int, size: int, unique_id: tuple[int, ...], rank: int
+        self, cupy: Any, device_index: int, size: int, unique_id: bytes, rank: int
     ) -> None:
         super().__init__(name="baguahvd-nccl-setup", daemon=True)
         self.cupy = cupy
@@ -123,7 +124,7 @@ class _Helper(threading.Thread):
         nccl = cupy.cuda.nccl
         try:
             cupy.cuda.Device(self.device_index).use()
-            handle = nccl.NcclCommunicator(self.size, self.unique_id, self.rank)
+            handle = cupy_api.new_communicator(nccl, self.size, self.unique_id, self.rank)
             with self.lock:
                 if self.abandoned:
                     _abort(handle)
@@ -159,19 +160,35 @@ class OneRank:
         return obj
 
 
-def exchange_unique_id(comm: Any, rank: int, nccl: Any, watch: _Watch) -> tuple[int, ...]:
-    """The set's first rank makes the unique id; MPI carries it to the members, polled."""
-    unique_id: tuple[int, ...] | None = nccl.get_unique_id() if rank == 0 else None
+def exchange_unique_id(comm: Any, rank: int, nccl: Any, watch: _Watch) -> bytes:
+    """The set's first rank makes the unique id; ``comm`` carries it to the members as 128
+    bytes, polled against ``watch``: through its own ``start_unique_id`` where it has one
+    (an id channel: ``start_unique_id(id or None)`` returns a poll that answers the id once
+    it arrived, else None), else MPI's ``Ibcast``, else a blocking ``bcast``."""
+    unique_id = cupy_api.unique_id_bytes(nccl.get_unique_id()) if rank == 0 else None
+    start = getattr(comm, "start_unique_id", None)
+    if start is not None:
+        poll = start(unique_id)
+        received: list[bytes] = []
+
+        def arrived() -> bool:
+            if not received:
+                value = poll()
+                if value is not None:
+                    received.append(value)
+            return bool(received)
+
+        watch.until(arrived, "the exchange of the NCCL unique id")
+        return cupy_api.unique_id_bytes(received[0])
     if not hasattr(comm, "Ibcast"):
         logger.debug("this MPI communicator has no Ibcast: the unique id is broadcast blocking")
-        received: tuple[int, ...] = comm.bcast(unique_id, root=0)
-        return received
+        return cupy_api.unique_id_bytes(comm.bcast(unique_id, root=0))
     buffer = bytearray(UNIQUE_ID_BYTES)
     if unique_id is not None:
-        buffer[:] = bytes(value & 0xFF for value in unique_id)
+        buffer[:] = unique_id
     request = comm.Ibcast(buffer, root=0)
     watch.until(request.Test, "the MPI broadcast of the NCCL unique id")
-    return tuple(value - 256 if value > 127 else value for value in buffer)
+    return bytes(buffer)
 
 
 def create(
@@ -197,7 +214,7 @@ def create(
     )
     watch.nccl_error = nccl.NcclError
     unique_id = exchange_unique_id(comm, rank, nccl, watch) if size > 1 else (
-        tuple(nccl.get_unique_id())
+        cupy_api.unique_id_bytes(nccl.get_unique_id())
     )
     logger.debug(
         "CuPy's NCCL bindings create blocking communicators only (no "

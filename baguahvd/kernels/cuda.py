@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from baguahvd.kernels import cupy_api
 from baguahvd.kernels.layout import HEADER_BYTES, MinMaxUInt8Layout, dtype_suffix
 from baguahvd.kernels.sources import NVRTC_OPTIONS, nvrtc_source
 
@@ -127,7 +128,7 @@ class CudaKernels:
         arrays: dict[int, Any] = {}
         with cupy.cuda.Device(index):
             # RawKernel launches on CuPy's current stream: make it torch's.
-            with _external_stream(cupy, torch_stream.cuda_stream, index):
+            with cupy_api.external_stream(cupy, torch_stream.cuda_stream, index):
                 for name, grid, block, args in launches:
                     converted = []
                     for arg in args:
@@ -275,15 +276,6 @@ class CudaKernels:
             args.append(np.int64(n))
             self._launch((f"{op}_{dtype_suffix(x.dtype)}", (grid_blocks(n),), THREADS, args))
         return x
-
-
-def _external_stream(cupy: Any, ptr: int, index: int) -> Any:
-    """CuPy's view of an existing stream: ``Stream.from_external`` (CuPy 14, where
-    ``ExternalStream`` warns on every construction), else ``ExternalStream``."""
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None:
-        return from_external(ptr, index)
-    return cupy.cuda.ExternalStream(ptr, index)
 
 
 class CudaKernelLoader:

@@ -2,6 +2,14 @@
 GPU: ``cupy.cuda.nccl`` (constants with NCCL's own values, unique ids, a communicator that
 records its calls, groups, errors) and ``cupy.cuda`` devices, streams and events.
 
+It speaks the API of a real CuPy release, 14 by default or 13 (``FakeCupy(api=13)``): every
+function first checks its arguments against the real signature recorded in
+:mod:`tests.fakes.cupy_spec` (checked against the installed CuPy by
+``tests/unit/test_cupy_conformance.py``), so it refuses what the real one refuses: a unique
+id of the wrong type, an int where a stream object is wanted, a float where a pointer is.
+CuPy 14's ``get_unique_id`` gives ``bytes`` and ``Stream.from_external`` takes an object with
+``__cuda_stream__``; CuPy 13's gives a tuple of signed chars and has only ``ExternalStream``.
+
 Every call is appended to one :class:`CallLog`, so a test checks which NCCL calls were made,
 with which pointers, counts and types, and in which order with the stream and event
 operations around them. Nothing is communicated: a reduction leaves its buffers as they were,
@@ -15,14 +23,21 @@ ones).
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import sys
 import threading
 import types
-from typing import Any
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+
+from tests.fakes.cupy_spec import check_call, signature
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 # ncclDataType_t and ncclRedOp_t, as in nccl.h.
 NCCL_TYPES = {
@@ -88,9 +103,15 @@ class FakeCupy:
         version: what ``nccl.get_version()`` answers.
         bfloat16: whether ``nccl.NCCL_BFLOAT16`` exists (CuPy older than 10 lacks it).
         avg: whether ``nccl.NCCL_AVG`` exists (older CuPy builds do not name it).
+        api: the CuPy release whose API the fake speaks, 14 or 13.
     """
 
-    def __init__(self, version: int = 21805, bfloat16: bool = True, avg: bool = True) -> None:
+    def __init__(
+        self, version: int = 21805, bfloat16: bool = True, avg: bool = True, api: int = 14
+    ) -> None:
+        if api not in (13, 14):
+            raise ValueError(f"the fake speaks CuPy 13 or 14, not {api}")
+        self.api = api
         self.log = CallLog()
         self.version = version
         self.unique_ids = 0
@@ -121,9 +142,29 @@ class FakeCupy:
 
     # -- the modules -----------------------------------------------------------------------
 
+    def conforming(self, name: str) -> Callable[[_F], _F]:
+        """Makes a fake function check its arguments against the real ``name`` first."""
+        api = self.api
+        line = signature(api, name)
+        # Methods and constructors get ``self`` first; the real signature line leaves it out
+        # of constructors.
+        skip = 1 if "(self" in line or name.rsplit(".", 1)[-1][:1].isupper() else 0
+
+        def wrap(function: _F) -> _F:
+            @functools.wraps(function)
+            def checked(*args: Any, **kwargs: Any) -> Any:
+                check_call(api, name, args[skip:], kwargs)
+                return function(*args, **kwargs)
+
+            return checked  # type: ignore[return-value]
+
+        return wrap
+
     def _build(self, bfloat16: bool, avg: bool) -> types.ModuleType:
         fake = self
         log = self.log
+        api = self.api
+        conforming = self.conforming
 
         class NcclError(RuntimeError):
             def __init__(self, status: int) -> None:
@@ -136,6 +177,7 @@ class FakeCupy:
                 gate.wait()
 
         def recorder(name: str) -> Any:
+            @conforming(f"nccl.NcclCommunicator.{name}")
             def call(self: Any, *args: Any) -> None:
                 log.append((name, self.rank, *args))
                 wait_if_blocked(name)
@@ -145,16 +187,17 @@ class FakeCupy:
             return call
 
         class NcclCommunicator:
-            def __init__(self, ndev: int, comm_id: tuple[int, ...], rank: int) -> None:
-                assert isinstance(comm_id, tuple) and len(comm_id) == 128
-                assert all(-128 <= value < 128 for value in comm_id), "signed chars"
+            @conforming("nccl.NcclCommunicator")
+            def __init__(self, ndev: int, commId: Any, rank: int, config: Any = None) -> None:
+                if len(commId) != 128:
+                    raise ValueError(f"commId length {len(commId)} != 128.")
                 wait_if_blocked("NcclCommunicator")
                 self.ndev = ndev
-                self.comm_id = comm_id
+                self.comm_id = commId
                 self.rank = rank
                 self.aborted = False
                 self.destroyed = False
-                log.append(("NcclCommunicator", ndev, comm_id, rank))
+                log.append(("NcclCommunicator", ndev, commId, rank))
                 fake.communicators.append(self)
 
             _record_all_reduce = recorder("allReduce")
@@ -173,10 +216,12 @@ class FakeCupy:
             send = recorder("send")
             recv = recorder("recv")
 
+            @conforming("nccl.NcclCommunicator.check_async_error")
             def check_async_error(self) -> None:
                 if fake.async_error is not None:
                     raise NcclError(fake.async_error)
 
+            @conforming("nccl.NcclCommunicator.abort")
             def abort(self) -> None:
                 log.append(("abort", self.rank))
                 self.aborted = True
@@ -184,22 +229,31 @@ class FakeCupy:
                     if name != "NcclCommunicator":
                         gate.set()
 
+            @conforming("nccl.NcclCommunicator.destroy")
             def destroy(self) -> None:
                 log.append(("destroy", self.rank))
                 self.destroyed = True
 
-        def get_unique_id() -> tuple[int, ...]:
+        @conforming("nccl.get_unique_id")
+        def get_unique_id() -> Any:
             fake.unique_ids += 1
             log.append(("get_unique_id",))
-            # Signed chars, as CuPy gives them: the MPI broadcast must keep the sign.
-            return tuple([fake.unique_ids, -fake.unique_ids] * 64)
+            # Bytes with the high bit set on every other one: the transport must keep them
+            # (CuPy 13 hands the same id over as signed chars).
+            raw = bytes([fake.unique_ids & 0x7F, 0x80 | (fake.unique_ids & 0x7F)] * 64)
+            if api == 13:
+                return tuple(value - 256 if value > 127 else value for value in raw)
+            return raw
 
+        @conforming("nccl.get_version")
         def get_version() -> int:
             return fake.version
 
+        @conforming("nccl.groupStart")
         def group_start() -> None:
             log.append(("groupStart",))
 
+        @conforming("nccl.groupEnd")
         def group_end() -> None:
             log.append(("groupEnd",))
 
@@ -223,8 +277,9 @@ class FakeCupy:
         )
 
         class Device:
-            def __init__(self, index: int) -> None:
-                self.id = index
+            @conforming("cuda.Device")
+            def __init__(self, device: Any = None) -> None:
+                self.id = 0 if device is None else int(device)
 
             def __enter__(self) -> Device:
                 log.append(("Device.enter", self.id))
@@ -233,17 +288,20 @@ class FakeCupy:
             def __exit__(self, *exc: object) -> None:
                 log.append(("Device.exit", self.id))
 
+            @conforming("cuda.Device.use")
             def use(self) -> None:
                 log.append(("Device.use", self.id))
 
         class Event:
+            @conforming("cuda.Event")
             def __init__(self, block: bool = False, disable_timing: bool = False,
                          interprocess: bool = False) -> None:
                 self.id = next(fake._event_ids)
                 self.polls = 0
 
+            @conforming("cuda.Event.record")
             def record(self, stream: Any = None) -> None:
-                log.append(("Event.record", self.id, stream.ptr))
+                log.append(("Event.record", self.id, 0 if stream is None else stream.ptr))
 
             @property
             def done(self) -> bool:
@@ -253,25 +311,49 @@ class FakeCupy:
                 return limit >= 0 and self.polls > limit
 
         class Stream:
+            @conforming("cuda.Stream")
             def __init__(self, null: bool = False, non_blocking: bool = False,
-                         ptr: int = 0) -> None:
-                self.ptr = ptr or next(fake._stream_ptrs)
+                         ptds: bool = False, priority: Any = None) -> None:
+                self.ptr = 0 if null else next(fake._stream_ptrs)
                 self.non_blocking = non_blocking
                 log.append(("Stream", self.ptr, non_blocking))
 
+            @conforming("cuda.Stream.wait_event")
             def wait_event(self, event: Event) -> None:
                 log.append(("Stream.wait_event", self.ptr, event.id))
 
             @classmethod
-            def from_external(cls, ptr: int, device_id: int = -1) -> Stream:
+            def _wrapping(cls, ptr: int) -> Stream:
                 stream = cls.__new__(cls)
                 stream.ptr, stream.non_blocking = ptr, False
                 return stream
 
+        def from_external(obj: Any) -> Stream:
+            return Stream._wrapping(stream_protocol_handle(obj))
+
+        if api == 14:
+            Stream.from_external = staticmethod(  # type: ignore[attr-defined]
+                conforming("cuda.Stream.from_external")(from_external)
+            )
+
         class ExternalStream(Stream):
+            @conforming("cuda.ExternalStream")
             def __init__(self, ptr: int, device_id: int = -1) -> None:
-                self.ptr = ptr
+                if api == 14:
+                    warnings.warn(
+                        "ExternalStream is deprecated. Use Stream.from_external() instead",
+                        DeprecationWarning, stacklevel=2,
+                    )
+                self.ptr = int(ptr)
                 self.non_blocking = False
+
+        @conforming("cuda.alloc")
+        def alloc(size: int) -> Any:
+            if not isinstance(size, int):
+                raise TypeError("an integer is required")
+            if size < 0:
+                raise OverflowError("can't convert negative value to size_t")
+            return MemoryPointer(size)
 
         class MemoryPointer:
             def __init__(self, size: int) -> None:
@@ -280,9 +362,24 @@ class FakeCupy:
 
         cuda = _module(
             "cupy.cuda", nccl=nccl, Device=Device, Event=Event, Stream=Stream,
-            ExternalStream=ExternalStream, alloc=MemoryPointer,
+            ExternalStream=ExternalStream, alloc=alloc,
         )
         return _module("cupy", cuda=cuda)
+
+
+def stream_protocol_handle(obj: Any) -> int:
+    """The stream handle of an object that implements the CUDA stream protocol, refused as
+    CuPy 14's ``Stream.from_external`` refuses it."""
+    method = getattr(obj, "__cuda_stream__", None)
+    if method is None:
+        raise TypeError(
+            f"Object of type {type(obj).__name__} does not implement the CUDA stream protocol "
+            "(__cuda_stream__ method)"
+        )
+    answer = method()
+    if not (isinstance(answer, tuple) and len(answer) == 2):
+        raise TypeError("__cuda_stream__() must return a 2-tuple of (version, stream_ptr)")
+    return int(answer[1])
 
 
 def _module(name: str, **attributes: Any) -> types.ModuleType:

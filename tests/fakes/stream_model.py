@@ -61,7 +61,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from baguahvd.backends import cuda_support
-from tests.fakes.fake_cupy import FakeCupy
+from tests.fakes.fake_cupy import FakeCupy, stream_protocol_handle
 
 Clock = dict[int, int]
 Access = tuple[int, int]
@@ -128,9 +128,10 @@ class StreamModel:
     Args:
         device: the process's GPU (``torch.cuda.set_device(device)`` on the main thread).
         seed: orders the queued work as it runs.
+        api: the CuPy release whose API the model's CuPy speaks (see :class:`FakeCupy`).
     """
 
-    def __init__(self, device: int = 0, seed: int = 0) -> None:
+    def __init__(self, device: int = 0, seed: int = 0, api: int = 14) -> None:
         self.device = device
         self.random = random.Random(seed)
         self.host: Clock = {}
@@ -143,7 +144,7 @@ class StreamModel:
         self.cost: Callable[[str], float] = lambda name: 0.0
         """The simulated duration of a queued operation, by name (see module docstring)."""
         self.default = self.stream("default")
-        self.fake = FakeCupy()
+        self.fake = FakeCupy(api=api)
         self._patch_cupy()
 
     # -- streams, threads, devices -------------------------------------------------------
@@ -371,6 +372,7 @@ class StreamModel:
             "current_stream_ptr": current_stream_ptr,
             "on_stream": on_stream,
             "set_torch_device": set_torch_device,
+            "new_stream": lambda device: model.stream("side").ptr,
             "record_stream": lambda tensor, device, ptr: model.record_stream(
                 tensor, model.streams[ptr]
             ),
@@ -389,12 +391,16 @@ class StreamModel:
 
     def _patch_cupy(self) -> None:
         model = self
-        cuda = self.fake.cupy.cuda
+        fake = self.fake
+        cuda = fake.cupy.cuda
+        conforming = fake.conforming
 
         class Device:
-            def __init__(self, index: int) -> None:
-                self.id = index
+            @conforming("cuda.Device")
+            def __init__(self, device: Any = None) -> None:
+                self.id = 0 if device is None else int(device)
 
+            @conforming("cuda.Device.use")
             def use(self) -> None:
                 model._local.cupy_device = self.id
 
@@ -407,36 +413,56 @@ class StreamModel:
                 model._local.cupy_device = self._previous
 
         class Event:
+            @conforming("cuda.Event")
             def __init__(self, block: bool = False, disable_timing: bool = False,
                          interprocess: bool = False) -> None:
                 model.check_cupy_device("cupy.cuda.Event()")
                 self.model = ModelEvent()
 
-            def record(self, stream: Stream) -> None:
+            @conforming("cuda.Event.record")
+            def record(self, stream: Any = None) -> None:
                 model.check_cupy_device("Event.record")
-                model.record(self.model, model.streams[stream.ptr])
+                target = model.current() if stream is None else model.streams[stream.ptr]
+                model.record(self.model, target)
 
             @property
             def done(self) -> bool:
                 model.check_cupy_device("Event.done")
                 return model.query(self.model)
 
+            @conforming("cuda.Event.synchronize")
             def synchronize(self) -> None:
                 model.synchronize(self.model)
 
         class Stream:
+            @conforming("cuda.Stream")
             def __init__(self, null: bool = False, non_blocking: bool = False,
-                         ptr: int = 0) -> None:
+                         ptds: bool = False, priority: Any = None) -> None:
                 model.check_cupy_device("cupy.cuda.Stream()")
-                self.ptr = ptr or model.stream("nccl").ptr
+                self.ptr = model.default.ptr if null else model.stream("nccl").ptr
 
-            @classmethod
-            def from_external(cls, ptr: int, device_id: int = -1) -> Stream:
-                return cls(ptr=ptr)
-
+            @conforming("cuda.Stream.wait_event")
             def wait_event(self, event: Event) -> None:
                 model.check_cupy_device("Stream.wait_event")
                 model.wait(model.streams[self.ptr], event.model)
+
+        def wrapping(ptr: int) -> Stream:
+            stream = Stream.__new__(Stream)
+            stream.ptr = ptr
+            return stream
+
+        def from_external(obj: Any) -> Stream:
+            return wrapping(stream_protocol_handle(obj))
+
+        class ExternalStream(Stream):
+            @conforming("cuda.ExternalStream")
+            def __init__(self, ptr: int, device_id: int = -1) -> None:
+                self.ptr = int(ptr)
+
+        if fake.api == 14:
+            Stream.from_external = staticmethod(  # type: ignore[attr-defined]
+                conforming("cuda.Stream.from_external")(from_external)
+            )
 
         class MemoryPointer:
             def __init__(self, size: int) -> None:
@@ -444,9 +470,13 @@ class StreamModel:
                 self.ptr = next(model._allocations)
                 model.buffers[self.ptr] = Buffer(model.device, model.current().ident, size)
 
+        @conforming("cuda.alloc")
+        def alloc(size: int) -> MemoryPointer:
+            return MemoryPointer(size)
+
         cuda.Device, cuda.Event, cuda.Stream = Device, Event, Stream
-        cuda.alloc = MemoryPointer
-        cuda.ExternalStream = Stream.from_external
+        cuda.alloc = alloc
+        cuda.ExternalStream = ExternalStream
         communicator = cuda.nccl.NcclCommunicator
 
         def collective(name: str, sends: tuple[int, ...], recvs: tuple[int, ...]) -> Callable[

@@ -18,6 +18,7 @@ import torch
 import baguahvd.kernels as K
 from baguahvd.kernels import cuda as cuda_mod
 from baguahvd.kernels.sources import NVRTC_OPTIONS, nvrtc_source
+from tests.fakes.fake_cupy import stream_protocol_handle
 
 KERNEL_DTYPES = list(K.DTYPE_SUFFIXES)
 
@@ -173,11 +174,13 @@ def test_missing_cupy_is_reported_once_and_gives_none(monkeypatch, caplog):
 
 
 def test_kernels_use_stream_from_external_where_cupy_has_it(fake, monkeypatch):
-    used: list[tuple[int, int]] = []
+    # CuPy 14: the stream travels through the CUDA stream protocol, as the real
+    # Stream.from_external(obj) wants it (tests/unit/test_cupy_conformance.py checks it there).
+    used: list[int] = []
 
     @contextlib.contextmanager
-    def from_external(ptr, device_id):
-        used.append((ptr, device_id))
+    def from_external(obj):
+        used.append(stream_protocol_handle(obj))
         yield
 
     def deprecated(ptr, device_id):
@@ -186,7 +189,7 @@ def test_kernels_use_stream_from_external_where_cupy_has_it(fake, monkeypatch):
     monkeypatch.setattr(fake.cupy.cuda, "Stream", SimpleNamespace(from_external=from_external))
     monkeypatch.setattr(fake.cupy.cuda, "ExternalStream", deprecated)
     fake.kernels.elementwise("scale_inplace", [torch.ones(8)], [2.0])
-    assert used == [(1234, 0)]
+    assert used == [1234]
 
 
 def test_a_failed_compile_falls_back_to_torch_with_one_warning(monkeypatch, caplog):

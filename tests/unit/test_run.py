@@ -14,6 +14,7 @@ import pytest
 
 from baguahvd import __version__
 from baguahvd import run as run_module
+from baguahvd.common import capabilities
 from baguahvd.common.shim import shim_path
 from baguahvd.runner import cli, local_gloo
 from baguahvd.runner.allocation import MPI_HOSTFILE_VARIABLES
@@ -411,8 +412,11 @@ def test_check_build(capsys: pytest.CaptureFixture[str]) -> None:
     assert out.startswith(f"baguahvd v{__version__}:\n")
     assert "    [X] PyTorch\n" in out and "    [ ] TensorFlow\n" in out
     assert "Available Controllers:\n    [X] MPI\n    [X] Gloo\n" in out
+    # NCCL is built where CuPy with its NCCL bindings imports (as in CI), whether or not
+    # there is a GPU.
+    nccl = "X" if capabilities.nccl_built() else " "
     assert (
-        "Available Tensor Operations:\n    [ ] NCCL\n    [ ] DDL\n    [ ] CCL\n"
+        f"Available Tensor Operations:\n    [{nccl}] NCCL\n    [ ] DDL\n    [ ] CCL\n"
         "    [X] MPI\n    [X] Gloo\n"
     ) in out
     assert cli.main(["-cb"]) == 0
