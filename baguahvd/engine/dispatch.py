@@ -31,6 +31,7 @@ from baguahvd.backends.base import Communicator, DeviceCommFactory, SelfCommunic
 from baguahvd.common.exceptions import HorovodInternalError, MismatchError
 from baguahvd.engine import execute
 from baguahvd.engine.completion import CollectiveFailure, Completions, Entry
+from baguahvd.engine.execute import FusionBuffers
 from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, build_response
 from baguahvd.engine.process_sets import ProcessSetState
@@ -91,7 +92,9 @@ class Dispatcher:
         self.remove_process_set = remove_process_set
         self.device_timeout_s = device_timeout_s
         self.stopped = stopped
-        self.buffers = execute.FusionBuffers()
+        self.buffers = FusionBuffers()
+        """The fusion buffers of the data communicators' units (engine thread); each device
+        communicator has its own (:attr:`ProcessSetState.device_buffers`)."""
         self.user_device: torch.device | None = None
         """The CUDA device of this rank's submissions (where its joined zeros go)."""
         self.pending = Completions()
@@ -119,14 +122,18 @@ class Dispatcher:
         if state is None or state.comm is None:
             return
         if response.device != "CPU" and response.error is None:
-            self.execute_ordered(unit, self.device_comm(state, state.comm))
+            self.execute_ordered(
+                unit, self.device_comm(state, state.comm), state.device_buffers
+            )
             return
         self.execute(unit, state.comm)
 
     def execute_ordered(
-        self, unit: list[Entry], comm: Communicator, wait_here: bool = False
+        self, unit: list[Entry], comm: Communicator, buffers: FusionBuffers,
+        wait_here: bool = False,
     ) -> None:
-        """:meth:`execute` in the stream order of a device communicator (module docstring);
+        """:meth:`execute` in the stream order of a device communicator (module docstring),
+        with ``buffers`` (used on that communicator's stream only) as its fusion buffers;
         the handles complete in :attr:`pending` once the unit's results are in place, or,
         with ``wait_here`` (a caller that is not the engine thread), before this returns."""
         ordered = getattr(comm, "ordered", None)
@@ -143,7 +150,7 @@ class Dispatcher:
         try:
             with ordered(device, marks, unit[0][0].name) as launched:
                 self._produced = launched.produced
-                self.execute(unit, comm)
+                self.execute(unit, comm, buffers)
         finally:
             self._deferred = None
             self._produced = []
@@ -167,7 +174,10 @@ class Dispatcher:
                 assert state.device_comm is not None
                 # The submitting thread runs it: only the engine thread polls launched
                 # units, so this one is waited for here.
-                self.execute_ordered([(response, request)], state.device_comm, wait_here=True)
+                self.execute_ordered(
+                    [(response, request)], state.device_comm, state.device_buffers,
+                    wait_here=True,
+                )
             else:
                 self.execute([(response, request)], comm)
         except Exception as exc:  # noqa: BLE001 - reported through the handle
@@ -203,9 +213,13 @@ class Dispatcher:
                 state.device_comm.stopped = self.stopped
         return state.device_comm
 
-    def execute(self, unit: list[Entry], comm: Communicator) -> None:
+    def execute(
+        self, unit: list[Entry], comm: Communicator,
+        buffers: FusionBuffers | None = None,
+    ) -> None:
         """Runs one unit (a fused group of allreduces, or one other collective) and
-        completes its handles."""
+        completes its handles; ``buffers``: its fusion buffers, if not the engine thread's
+        own (which serve the units of the data communicators, one after the other)."""
         # The collectives write users' tensors as raw buffers, leaves that require grad
         # included, and their outputs must not join anyone's autograd graph: without grad
         # (the engine thread turns it off for good; a user's thread, for single-member
@@ -219,14 +233,16 @@ class Dispatcher:
         )
         if inference or torch.is_grad_enabled():
             with torch.inference_mode() if inference else torch.no_grad():
-                self._execute_traced(unit, comm)
+                self._execute_traced(unit, comm, buffers)
         else:
-            self._execute_traced(unit, comm)
+            self._execute_traced(unit, comm, buffers)
 
-    def _execute_traced(self, unit: list[Entry], comm: Communicator) -> None:
+    def _execute_traced(
+        self, unit: list[Entry], comm: Communicator, buffers: FusionBuffers | None
+    ) -> None:
         timeline = self.timeline
         if timeline is None or not timeline.active:
-            self._execute_on(unit, comm, None)
+            self._execute_on(unit, comm, None, buffers)
             return
         response = unit[0][0]
         traced = [request.meta.name for _, request in unit if request is not None]
@@ -238,10 +254,11 @@ class Dispatcher:
 
         if response.op != OpType.ALLREDUCE:
             phase("COMMUNICATE")
-        self._execute_on(unit, comm, phase)
+        self._execute_on(unit, comm, phase, buffers)
 
     def _execute_on(
-        self, unit: list[Entry], comm: Communicator, phase: Callable[[str], None] | None
+        self, unit: list[Entry], comm: Communicator, phase: Callable[[str], None] | None,
+        buffers: FusionBuffers | None,
     ) -> None:
         response = unit[0][0]
         requests = [request for _, request in unit if request is not None]
@@ -251,7 +268,10 @@ class Dispatcher:
             return
         op = response.op
         if op == OpType.ALLREDUCE:
-            execute.allreduce(comm, unit, self.buffers, phase, self.user_device)
+            execute.allreduce(
+                comm, unit, self.buffers if buffers is None else buffers, phase,
+                self.user_device,
+            )
             self.complete_all(requests)
             return
         if op == OpType.BARRIER:

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from baguahvd.backends.base import Communicator, ControlPlane, SelfCommunicator
+from baguahvd.engine.execute import FusionBuffers
 
 GLOBAL_PROCESS_SET_ID = 0
 
@@ -28,6 +29,11 @@ class ProcessSetState:
     """Communicator of the members; None on ranks outside the set."""
     device_comm: Communicator | None = None
     """Device (GPU) communicator of the members, created at the set's first GPU collective."""
+    device_buffers: FusionBuffers = dataclasses.field(default_factory=FusionBuffers)
+    """The fusion buffers of the device communicator's units, which use them on that
+    communicator's stream only: units of different sets' communicators run at the same time,
+    unordered, and a buffer dropped when it grows may be handed out again by the allocator
+    of that stream at once."""
 
     def includes(self, rank: int) -> bool:
         return rank in self.ranks
