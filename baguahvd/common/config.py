@@ -232,6 +232,10 @@ class Config:
     everything (see :mod:`baguahvd.runtime.transport`)."""
     gloo_timeout_s: float = 30.0
     """Seconds the gloo rendezvous waits for the other ranks (HOROVOD_GLOO_TIMEOUT_SECONDS)."""
+    gpu_operations: str = "nccl"
+    """Transport of CUDA tensors: ``nccl`` under every launcher, or ``gloo``, which copies
+    them through host memory in jobs that run on gloo (torchrun, ``horovodrun --gloo``)
+    (BAGUAHVD_GPU_OPERATIONS / HOROVOD_GPU_OPERATIONS). Jobs under MPI always use NCCL."""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -324,6 +328,7 @@ class Config:
                 env, "AUTOTUNE_GAUSSIAN_PROCESS_NOISE", cls.autotune_gaussian_process_noise
             ),
             cpu_backend=_cpu_backend(env),
+            gpu_operations=_gpu_operations(env),
             gloo_timeout_s=_as_number(env, "GLOO_TIMEOUT_SECONDS", cls.gloo_timeout_s),
         )
         if config.autotune_gaussian_process_noise > 1.0:
@@ -358,6 +363,21 @@ def _cpu_backend(env: Mapping[str, str]) -> str:
     if value.lower() not in _CPU_BACKENDS:
         raise ValueError(f"{label}={value!r} is not one of {', '.join(_CPU_BACKENDS)}.")
     return value.lower()
+
+
+_GPU_OPERATIONS = ("nccl", "gloo")
+
+
+def _gpu_operations(env: Mapping[str, str]) -> str:
+    value = _lookup(env, "GPU_OPERATIONS")
+    if value is None:
+        return "nccl"
+    if value.strip().lower() not in _GPU_OPERATIONS:
+        raise ValueError(
+            f"{_label('GPU_OPERATIONS', True)}={value!r} is not one of "
+            f"{', '.join(_GPU_OPERATIONS)}."
+        )
+    return value.strip().lower()
 
 
 def env_flag(name: str) -> bool:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
-from baguahvd.backends import gloo
+from baguahvd.backends import gloo, nccl
 from baguahvd.backends.base import Communicator, ControlPlane, DeviceCommFactory
 from baguahvd.common import capabilities, logging_setup
 from baguahvd.common.config import Config, Launch, launch_from_env
@@ -67,6 +67,8 @@ class Runtime:
         self._gloo_store: Any = None
         # An MPI job's gloo data plane (BAGUAHVD_CPU_BACKEND), where it has one.
         self._split_world: Any = None
+        # Makes device communicators; the engine's process sets and new_device_communicator.
+        self._device_comms: DeviceCommFactory | None = None
         self._shutdown_callbacks: list[Callable[[], None]] = []
         self._stopped_engine: Engine | None = None
         self._previous_excepthook: Callable[..., Any] | None = None
@@ -205,6 +207,7 @@ class Runtime:
             logger.info("CPU collectives run on gloo, negotiation on MPI (%s)",
                         "BAGUAHVD_CPU_BACKEND=gloo" if config.cpu_backend == "gloo"
                         else "auto: the job spans hosts and MPI's transport is TCP")
+        self._device_comms = device_comms
         engine = Engine(config, control, device_comms)
         resolved: list[list[int]] = []
         for process_set in process_sets:
@@ -240,7 +243,12 @@ class Runtime:
         )
         control = gloo.GlooControlPlane(world)
         topology = gloo.Topology(launch, control)
-        engine = Engine(config, control, gloo.device_communicator)
+        device_comms = (
+            gloo.host_staged_communicator if config.gpu_operations == "gloo"
+            else gloo.device_communicator
+        )
+        self._device_comms = device_comms
+        engine = Engine(config, control, device_comms)
         resolved: list[list[int]] = []
         for process_set in process_sets:
             if process_set.mpi_comm is not None:
@@ -365,6 +373,23 @@ class Runtime:
         from baguahvd.backends import mpi
 
         return mpi.new_communicator(self._base_comm, ranks)
+
+    def new_device_communicator(self, comm: Communicator) -> Communicator:
+        """The device (GPU) communicator of ``comm``, a private communicator from
+        :meth:`new_communicator`, made as the engine makes its process sets' (NCCL over the
+        MPI communicator in an MPI job; in a gloo job ``comm`` itself, which moves CUDA
+        tensors through host memory), with the job's NCCL timeout.
+
+        Nothing is communicated until its first collective, which creates the NCCL
+        communicator and is collective over ``comm``'s members, on the calling thread; the
+        communicator is the caller's alone, as ``comm`` is.
+        """
+        self.require_engine()
+        assert self._device_comms is not None and self.config is not None
+        device_comm = self._device_comms(comm)
+        if isinstance(device_comm, nccl.NCCLCommunicator):
+            device_comm.timeout_s = self.config.nccl_timeout_s
+        return device_comm
 
     # -- access --------------------------------------------------------------------------
 

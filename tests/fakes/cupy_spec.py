@@ -7,9 +7,11 @@ a Cython function, or ``inspect.signature`` of a Python one), recorded from cupy
 the installed CuPy, so the fakes cannot drift from the real API without a test failing.
 
 :func:`check_call` checks a call against a signature the way a Cython function does before
-its body runs: the number and names of the arguments, and the C types (``int``, ``intptr_t``
-and ``size_t`` want a Python ``int`` — not a float, ``None`` or a NumPy integer — and
-``size_t`` a non-negative one; ``bytes``, ``tuple`` and ``str`` want exactly that type).
+its body runs: the number and names of the arguments, and the C types, as the real bindings
+convert them (measured on both releases): ``intptr_t`` wants a Python ``int`` (or bool) —
+not a float, ``None`` or a NumPy integer; ``int`` and ``size_t`` take anything with
+``__int__`` (a float too, truncated), ``size_t`` only non-negative; ``bytes``, ``tuple`` and
+``str`` want exactly that type.
 The fakes call it first in each function, so they refuse what the real function refuses.
 """
 
@@ -104,7 +106,8 @@ class Parameter:
     keyword_only: bool
 
 
-_INTEGERS = ("int", "intptr_t", "size_t", "Py_ssize_t", "long", "long long")
+_POINTERS = ("intptr_t",)
+_INTEGERS = ("int", "size_t", "Py_ssize_t", "long", "long long")
 _EXACT = {"bytes": bytes, "tuple": tuple, "str": str, "unicode": str}
 
 
@@ -163,11 +166,14 @@ def check_call(version: int, name: str, args: tuple[Any, ...], kwargs: dict[str,
 
 
 def _check_type(function: str, param: Parameter, value: Any) -> None:
-    if param.ctype in _INTEGERS:
-        # Cython's conversion to a C integer takes Python ints (and bools), nothing else.
+    if param.ctype in _POINTERS:
         if not isinstance(value, int):
             raise TypeError("an integer is required")
-        if param.ctype == "size_t" and value < 0:
+        return
+    if param.ctype in _INTEGERS:
+        if isinstance(value, (str, bytes)) or not hasattr(value, "__int__"):
+            raise TypeError("an integer is required")
+        if param.ctype == "size_t" and int(value) < 0:
             raise OverflowError("can't convert negative value to size_t")
         return
     exact = _EXACT.get(param.ctype or "")

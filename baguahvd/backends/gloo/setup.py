@@ -70,6 +70,10 @@ class GlooWorld:
     def group(self, ranks: Sequence[int], purpose: str) -> Any:
         """A ``ProcessGroupGloo`` of ``ranks`` (sorted job ranks, this rank among them),
         made by its members only, in the same order on each."""
+        return self._group(ranks, purpose)[0]
+
+    def _group(self, ranks: Sequence[int], purpose: str) -> tuple[Any, Any]:
+        """:meth:`group` and the store of the group's own prefix."""
         members = tuple(ranks)
         assert self.rank in members, "only members make a group"
         count = self._made.get((purpose, members), 0)
@@ -78,21 +82,23 @@ class GlooWorld:
         store = dist.PrefixStore(prefix, self.store)
         index = members.index(self.rank)
         if self.interface is None:
-            return dist.ProcessGroupGloo(store, index, len(members), self._timeout)
+            return dist.ProcessGroupGloo(store, index, len(members), self._timeout), store
         options: Any = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = self._timeout
         options._devices = [dist.ProcessGroupGloo.create_device(interface=self.interface)]
-        return dist.ProcessGroupGloo(store, index, len(members), options)
+        return dist.ProcessGroupGloo(store, index, len(members), options), store
 
     def new_communicator(
         self, ranks: Sequence[int] | None = None, purpose: str = "private"
     ) -> GlooCommunicator | None:
         """A data communicator of ``ranks`` (default: every rank) that nothing else uses;
-        ``None`` on the ranks outside it, which need not call."""
+        ``None`` on the ranks outside it, which need not call. Its store carries the NCCL
+        unique ids of the device communicators made from it."""
         members = sorted(range(self.size) if ranks is None else ranks)
         if self.rank not in members:
             return None
-        return GlooCommunicator(self.group(members, purpose))
+        group, store = self._group(members, purpose)
+        return GlooCommunicator(group, store)
 
 
 def connect_store(launch: Launch, timeout_s: float) -> Any:
