@@ -14,6 +14,12 @@ the communicator's stream. They are launched, not waited for: their handles comp
 engine goes on with the next units. A member that joined contributes zeros on the device its
 submissions used.
 
+The engine thread and user threads (single-member sets run on the submitting thread) use
+the dispatcher at the same time, so what one call works with is passed down with it (its
+fusion buffers, the completions it defers, the outputs it made) instead of being kept on the
+dispatcher; each user thread has fusion buffers of its own, and each device communicator
+too (units of different communicators run on unordered streams).
+
 A collective that raises here raises to the caller: on the engine thread that fails the
 job (see :class:`CollectiveFailure`); for a single-member set, which never leaves the
 calling thread, it fails that request only.
@@ -22,6 +28,7 @@ calling thread, it fails that request only.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -49,6 +56,27 @@ def named_error(exc: Exception, name: str) -> HorovodInternalError:
     if isinstance(exc, HorovodInternalError):
         return exc
     return HorovodInternalError(f"{name} failed: {exc}")
+
+
+class _Run:
+    """What one call that runs a unit works with, passed down instead of kept on the
+    dispatcher (whose engine thread and user threads run units at the same time): the unit's
+    fusion buffers and, for a device unit launched without waiting, the calls that complete
+    its handles once it has finished (``complete``) and the tensors it made on the
+    communicator's stream for the submitters (``produced``). ``complete`` is None where
+    handles complete as soon as the unit has run."""
+
+    __slots__ = ("buffers", "complete", "produced")
+
+    def __init__(
+        self,
+        buffers: FusionBuffers,
+        complete: list[Callable[[], None]] | None = None,
+        produced: list[torch.Tensor] | None = None,
+    ) -> None:
+        self.buffers = buffers
+        self.complete = complete
+        self.produced = produced
 
 
 class Dispatcher:
@@ -93,15 +121,15 @@ class Dispatcher:
         self.device_timeout_s = device_timeout_s
         self.stopped = stopped
         self.buffers = FusionBuffers()
-        """The fusion buffers of the data communicators' units (engine thread); each device
-        communicator has its own (:attr:`ProcessSetState.device_buffers`)."""
+        """The fusion buffers of the data communicators' units (engine thread only); each
+        device communicator has its own (:attr:`ProcessSetState.device_buffers`) and each
+        user thread that runs single-member sets' collectives too (:meth:`run_alone`)."""
         self.user_device: torch.device | None = None
         """The CUDA device of this rank's submissions (where its joined zeros go)."""
         self.pending = Completions()
         """Device units launched and not completed yet."""
-        self._deferred: list[Callable[[], None]] | None = None
-        self._produced: list[torch.Tensor] = []
-        """Outputs the running device unit allocated on its communicator's stream."""
+        self._alone = threading.local()
+        """Per user thread: the :class:`_Run` of the single-member collectives it runs."""
 
     def mark(self, request: Request) -> None:
         """Notes where a submission stands in its submitter's CUDA stream (user thread)."""
@@ -138,7 +166,7 @@ class Dispatcher:
         with ``wait_here`` (a caller that is not the engine thread), before this returns."""
         ordered = getattr(comm, "ordered", None)
         if ordered is None:
-            self.execute(unit, comm)
+            self.execute(unit, comm, _Run(buffers))
             return
         marks = [request.mark for _, request in unit
                  if request is not None and request.mark is not None]
@@ -146,14 +174,8 @@ class Dispatcher:
             getattr(comm, "device", None) or self.user_device or cuda_support.thread_cuda_device()
         )
         deferred: list[Callable[[], None]] = []
-        self._deferred = deferred
-        try:
-            with ordered(device, marks, unit[0][0].name) as launched:
-                self._produced = launched.produced
-                self.execute(unit, comm, buffers)
-        finally:
-            self._deferred = None
-            self._produced = []
+        with ordered(device, marks, unit[0][0].name) as launched:
+            self.execute(unit, comm, _Run(buffers, deferred, launched.produced))
         if not wait_here:
             self.pending.add(comm, launched, unit, deferred)
             return
@@ -175,15 +197,24 @@ class Dispatcher:
                 # The submitting thread runs it: only the engine thread polls launched
                 # units, so this one is waited for here.
                 self.execute_ordered(
-                    [(response, request)], state.device_comm, state.device_buffers,
+                    [(response, request)], state.device_comm, self._thread_run().buffers,
                     wait_here=True,
                 )
             else:
-                self.execute([(response, request)], comm)
+                self.execute([(response, request)], comm, self._thread_run())
         except Exception as exc:  # noqa: BLE001 - reported through the handle
             logger.exception("%s failed", response.name)
             cause = exc.error if isinstance(exc, CollectiveFailure) else exc
             self.finish(request, error=named_error(cause, response.name))
+
+    def _thread_run(self) -> _Run:
+        """The calling user thread's :class:`_Run` for single-member collectives: fusion
+        buffers of its own, which no other thread uses (the thread waits for each of its
+        device units before it runs the next)."""
+        run: _Run | None = getattr(self._alone, "run", None)
+        if run is None:
+            run = self._alone.run = _Run(FusionBuffers())
+        return run
 
     def _through_nccl(self, request: Request, state: ProcessSetState) -> bool:
         """Whether a single-member collective of CUDA tensors takes a one-rank NCCL
@@ -213,13 +244,11 @@ class Dispatcher:
                 state.device_comm.stopped = self.stopped
         return state.device_comm
 
-    def execute(
-        self, unit: list[Entry], comm: Communicator,
-        buffers: FusionBuffers | None = None,
-    ) -> None:
+    def execute(self, unit: list[Entry], comm: Communicator, run: _Run | None = None) -> None:
         """Runs one unit (a fused group of allreduces, or one other collective) and
-        completes its handles; ``buffers``: its fusion buffers, if not the engine thread's
-        own (which serve the units of the data communicators, one after the other)."""
+        completes its handles. ``run``: the call's buffers and deferred completions (see
+        :class:`_Run`); None on the engine thread for a data communicator's unit, which
+        uses :attr:`buffers` and completes its handles at once."""
         # The collectives write users' tensors as raw buffers, leaves that require grad
         # included, and their outputs must not join anyone's autograd graph: without grad
         # (the engine thread turns it off for good; a user's thread, for single-member
@@ -233,16 +262,14 @@ class Dispatcher:
         )
         if inference or torch.is_grad_enabled():
             with torch.inference_mode() if inference else torch.no_grad():
-                self._execute_traced(unit, comm, buffers)
+                self._execute_traced(unit, comm, run)
         else:
-            self._execute_traced(unit, comm, buffers)
+            self._execute_traced(unit, comm, run)
 
-    def _execute_traced(
-        self, unit: list[Entry], comm: Communicator, buffers: FusionBuffers | None
-    ) -> None:
+    def _execute_traced(self, unit: list[Entry], comm: Communicator, run: _Run | None) -> None:
         timeline = self.timeline
         if timeline is None or not timeline.active:
-            self._execute_on(unit, comm, None, buffers)
+            self._execute_on(unit, comm, None, run)
             return
         response = unit[0][0]
         traced = [request.meta.name for _, request in unit if request is not None]
@@ -254,11 +281,11 @@ class Dispatcher:
 
         if response.op != OpType.ALLREDUCE:
             phase("COMMUNICATE")
-        self._execute_on(unit, comm, phase, buffers)
+        self._execute_on(unit, comm, phase, run)
 
     def _execute_on(
         self, unit: list[Entry], comm: Communicator, phase: Callable[[str], None] | None,
-        buffers: FusionBuffers | None,
+        run: _Run | None,
     ) -> None:
         response = unit[0][0]
         requests = [request for _, request in unit if request is not None]
@@ -269,45 +296,45 @@ class Dispatcher:
         op = response.op
         if op == OpType.ALLREDUCE:
             execute.allreduce(
-                comm, unit, self.buffers if buffers is None else buffers, phase,
+                comm, unit, self.buffers if run is None else run.buffers, phase,
                 self.user_device,
             )
-            self.complete_all(requests)
+            self.complete_all(requests, run)
             return
         if op == OpType.BARRIER:
             comm.barrier()
         elif op == OpType.ADD_PROCESS_SET:
             ident = self.add_process_set(response.payload)
             for request in requests:
-                self.finish(request, None, extra=ident)
+                self.finish(request, None, extra=ident, run=run)
             return
         elif op == OpType.REMOVE_PROCESS_SET:
             self.remove_process_set(response.payload[0])
         elif op == OpType.JOIN:
             for request in requests:
-                self.finish(request, None, extra=response.last_joined)
+                self.finish(request, None, extra=response.last_joined, run=run)
             return
         if not requests:
             return
         request = requests[0]
         if op == OpType.ALLGATHER:
             self.finish(request, execute.allgather(comm, response, request),
-                        extra=response.first_dims)
+                        extra=response.first_dims, run=run)
         elif op == OpType.BROADCAST:
-            self.finish(request, execute.broadcast(comm, response, request))
+            self.finish(request, execute.broadcast(comm, response, request), run=run)
         elif op == OpType.ALLTOALL:
             outputs, received = execute.alltoall(comm, response, request)
-            self.finish(request, outputs, extra=received)
+            self.finish(request, outputs, extra=received, run=run)
         elif op == OpType.REDUCESCATTER:
-            self.finish(request, execute.reducescatter(comm, response, request))
+            self.finish(request, execute.reducescatter(comm, response, request), run=run)
         else:
-            self.finish(request, None)
+            self.finish(request, None, run=run)
 
-    def complete_all(self, requests: list[Request]) -> None:
+    def complete_all(self, requests: list[Request], run: _Run | None = None) -> None:
         """:meth:`finish` for the requests of a unit that succeeded, with their outputs: one
-        lock and one timeline check for all of them."""
-        if self._deferred is not None:
-            self._deferred.append(lambda: self.complete_all(requests))
+        lock and one timeline check for all of them (deferred as ``run`` says)."""
+        if run is not None and run.complete is not None:
+            run.complete.append(lambda: self.complete_all(requests))
             return
         self.queue.done(requests)
         timeline = self.timeline
@@ -326,11 +353,14 @@ class Dispatcher:
         result: list[torch.Tensor] | None = None,
         extra: object = None,
         error: BaseException | None = None,
+        run: _Run | None = None,
     ) -> None:
-        """Completes or fails one request."""
-        if self._deferred is not None and error is None:
-            self._produced.extend(result or ())
-            self._deferred.append(lambda: self.finish(request, result, extra))
+        """Completes or fails one request; a completion is deferred as ``run`` says, and its
+        results are then tensors made on the communicator's stream."""
+        if run is not None and run.complete is not None and error is None:
+            if run.produced is not None:
+                run.produced.extend(result or ())
+            run.complete.append(lambda: self.finish(request, result, extra))
             return
         self.queue.done((request,))
         timeline = self.timeline
