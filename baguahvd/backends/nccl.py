@@ -111,6 +111,7 @@ class NCCLCommunicator(Communicator):
         self._aborted: str | None = None
         self._threads: set[int] = set()
         self._in_unit = False
+        self._p2p_connected = False
         # The engine's stop error, asked while polling: a stopped engine aborts the wait.
         self.stopped: Callable[[], BaseException | None] | None = None
 
@@ -206,7 +207,10 @@ class NCCLCommunicator(Communicator):
     # ----------------------------------------------------------------------------------
     # Running one collective
 
-    def _run(self, what: str, device: torch.device, launch: Callable[[Any, int], None]) -> None:
+    def _run(
+        self, what: str, device: torch.device, launch: Callable[[Any, int], None],
+        point_to_point: bool = False,
+    ) -> None:
         """Runs ``launch(nccl_communicator, stream_handle)`` on the NCCL stream, ordered after
         torch's current stream and before whatever it runs next, and waits for completion
         with the timeout."""
@@ -214,7 +218,7 @@ class NCCLCommunicator(Communicator):
         self._select(device)
         if self._in_unit:
             # Inside ordered(): the stream order is already arranged around the whole unit.
-            self._launch(what, device, launch)
+            self._launch(what, device, launch, point_to_point)
             return
         cupy = self._cupy
         consumer = cuda_support.external_stream(
@@ -223,17 +227,55 @@ class NCCLCommunicator(Communicator):
         ready = cupy.cuda.Event(disable_timing=True)
         ready.record(consumer)
         self._stream.wait_event(ready)
-        self._launch(what, device, launch)
+        self._launch(what, device, launch, point_to_point)
         done = cupy.cuda.Event(disable_timing=True)
         done.record(self._stream)
         consumer.wait_event(done)
         self._wait(done, what, device)
 
-    def _launch(self, what: str, device: torch.device, launch: Callable[[Any, int], None]) -> None:
+    def _launch(
+        self, what: str, device: torch.device, launch: Callable[[Any, int], None],
+        point_to_point: bool = False,
+    ) -> None:
+        """Queues ``launch`` on the NCCL stream. The first point-to-point launch of the
+        communicator (NCCL connects those peers lazily, inside ``ncclGroupEnd``, blocking
+        the calling thread) runs on a helper thread watched with the collective's deadline:
+        a peer that never connects aborts the communicator instead of holding the engine."""
         try:
-            launch(self._handle, self._stream.ptr)
+            if point_to_point and not self._p2p_connected:
+                self._launch_watched(what, device, launch)
+                self._p2p_connected = True
+            else:
+                launch(self._handle, self._stream.ptr)
         except self._nccl.NcclError as exc:
             raise NCCLError(f"NCCL {what} on {device} failed: {exc}") from exc
+
+    def _launch_watched(
+        self, what: str, device: torch.device, launch: Callable[[Any, int], None]
+    ) -> None:
+        handle, stream = self._handle, self._stream.ptr
+        cupy, index = self._cupy, device.index
+        outcome: list[BaseException | None] = []
+
+        def connect() -> None:
+            try:
+                cupy.cuda.Device(index).use()
+                cuda_support.set_torch_device(device)
+                launch(handle, stream)
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the engine thread
+                outcome.append(exc)
+
+        helper = threading.Thread(target=connect, name="baguahvd-nccl-connect", daemon=True)
+        helper.start()
+        deadline = time.monotonic() + self.timeout_s
+        delay = _FIRST_POLL_S
+        while not outcome:
+            self._check_stuck(f"{what} (connecting its peers)", device, deadline)
+            time.sleep(delay)
+            delay = min(delay * 2, _LONGEST_POLL_S)
+        if outcome[0] is not None:
+            raise outcome[0]
 
     @contextmanager
     def ordered(
@@ -440,7 +482,7 @@ class NCCLCommunicator(Communicator):
                             recv_counts[peer] * per_element, dtype, peer, stream,
                         )
 
-        self._run("alltoall", device, launch)
+        self._run("alltoall", device, launch, point_to_point=True)
 
     def reduce_scatter(
         self,
@@ -488,7 +530,7 @@ class NCCLCommunicator(Communicator):
                 comm.send(cuda_support.device_ptr(tensor_out), count, dtype, peer, stream)
                 comm.recv(cuda_support.device_ptr(tensor_in), count, dtype, peer, stream)
 
-        self._run("sendrecv", device, launch)
+        self._run("sendrecv", device, launch, point_to_point=True)
 
     def barrier(self) -> None:
         # NCCL has no barrier: a one-element allreduce that everybody waits for is one.
@@ -499,9 +541,23 @@ class NCCLCommunicator(Communicator):
         self.allreduce(token, token, ReduceOp.SUM)
 
     def free(self) -> None:
-        handle, self._handle = self._handle, None
-        if handle is not None:
-            handle.destroy()
+        """Destroys the NCCL communicator once its stream has drained. ``ncclCommDestroy``
+        blocks while work is in flight, and work waiting for a peer that is gone never
+        ends: the stream gets the collective timeout to drain, then the communicator is
+        aborted instead."""
+        handle = self._handle
+        if handle is None:
+            return
+        if self._stream is not None and self._device is not None:
+            drained = self._cupy.cuda.Event(disable_timing=True)
+            drained.record(self._stream)
+            try:
+                self._wait(drained, "the last collectives before freeing", self._device)
+            except NCCLError:
+                # _wait aborted the communicator (and dropped the handle).
+                return
+        self._handle = None
+        handle.destroy()
 
 
 def local_communicator(topology: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> NCCLCommunicator:

@@ -21,13 +21,19 @@ in the connection setup) and :class:`NCCLTimeoutError` names the step that did n
 A helper still inside ``ncclCommInitRank`` has no communicator to abort yet: it is left
 behind (a daemon thread) and aborts the communicator itself if NCCL ever returns one.
 
-Point-to-point connections (alltoall, sendrecv) are still set up lazily at their first use,
-under the collective's own timeout.
+NCCL 2.22 and later also connect a collective's algorithm lazily, at its first use
+(``NCCL_RUNTIME_CONNECT=1``, their default), which would block the engine thread inside a
+launch. Unless the user set it, :func:`connect_at_creation` turns that off before the first
+communicator, so every collective connection is made inside ``ncclCommInitRank``, on the
+helper thread, under the deadline. Point-to-point connections (alltoall, sendrecv) are set up
+at their first use, which :class:`~baguahvd.backends.nccl.NCCLCommunicator` runs on a helper
+thread under the collective's own deadline.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -191,6 +197,18 @@ def exchange_unique_id(comm: Any, rank: int, nccl: Any, watch: _Watch) -> bytes:
     return bytes(buffer)
 
 
+RUNTIME_CONNECT = "NCCL_RUNTIME_CONNECT"
+
+
+def connect_at_creation(environ: dict[str, str] | None = None) -> None:
+    """Makes NCCL connect every collective at communicator creation (see the module
+    docstring), unless the user chose otherwise. NCCL reads its environment when the process
+    makes its first communicator; older NCCLs ignore the variable."""
+    target = os.environ if environ is None else environ
+    if RUNTIME_CONNECT not in target:
+        target[RUNTIME_CONNECT] = "0"
+
+
 def create(
     cupy: Any,
     comm: Any,
@@ -208,6 +226,7 @@ def create(
         NCCLError: NCCL failed, or the engine stopped while creation waited.
     """
     nccl = cupy.cuda.nccl
+    connect_at_creation()
     watch = _Watch(
         f"creating the NCCL communicator of {size} ranks on cuda:{device_index}",
         timeout_s, stopped,

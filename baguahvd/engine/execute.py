@@ -278,8 +278,11 @@ def adasum(
         dot = torch.dot(a, b)
         a_sq = torch.dot(a, a)
         b_sq = torch.dot(b, b)
-        a_coeff = 1.0 - dot / (2.0 * a_sq) if a_sq > 0 else torch.tensor(1.0, dtype=a.dtype)
-        b_coeff = 1.0 - dot / (2.0 * b_sq) if b_sq > 0 else torch.tensor(1.0, dtype=a.dtype)
+        # Chosen on the device: a host test of a_sq would wait for the GPU in the engine
+        # thread, outside the collective's deadline.
+        one = torch.ones((), dtype=a.dtype, device=a.device)
+        a_coeff = torch.where(a_sq > 0, 1.0 - dot / (2.0 * a_sq), one)
+        b_coeff = torch.where(b_sq > 0, 1.0 - dot / (2.0 * b_sq), one)
         work = a_coeff * a + b_coeff * b
         distance <<= 1
     work *= postscale

@@ -318,9 +318,10 @@ def test_timeout_must_be_positive() -> None:
 def test_free_destroys_the_nccl_communicator(fake: FakeCupy) -> None:
     comm = _bound(fake)
     comm.free()
-    assert fake.log == [("destroy", 0)]
     comm.free()
-    assert fake.log == [("destroy", 0)]
+    # Once, after its stream drained (an event recorded and seen done).
+    assert _calls(fake, "destroy", "abort") == [("destroy", 0)]
+    assert fake.log.names()[:2] == ["Event.record", "Event.done"]
 
 
 # ---------------------------------------------------------------------------------------
