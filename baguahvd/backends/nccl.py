@@ -11,15 +11,18 @@ stop state instead of blocking in MPI or NCCL (see :mod:`baguahvd.backends.nccl_
 Streams. Each communicator has its own CUDA stream. When a CUDA tensor is submitted, the
 submitting thread records an event on its current torch stream (a :class:`StreamMark`): the
 collective's stream waits for it, so NCCL never reads a gradient before the kernels that
-write it, whichever stream the user runs them on. The engine runs a whole unit (copy into
-the fusion buffer, scaling, the NCCL call, scaling and copy out) with the communicator's
-stream as torch's current stream (:meth:`NCCLCommunicator.ordered`), records a completion
-event and goes on to the next unit without waiting; it completes the unit's handles once it
-has seen that event fire (:meth:`NCCLCommunicator.finished`). The submitting streams do not
-wait for the event, so the user's later kernels run while the unit communicates; they see
-the results because the user reads them only after the handle completed. Each thread that
-talks to CUDA for a communicator selects the communicator's device once (CuPy's and
-torch's), and never switches back to GPU 0.
+write it, whichever stream the user runs them on. The engine runs a unit (copy into the
+fusion buffer, scaling, the NCCL call) with the communicator's stream as torch's current
+stream (:meth:`NCCLCommunicator.ordered`), records a completion event and goes on to the
+next unit without waiting; it completes the unit's handles once it has seen that event fire
+(:meth:`NCCLCommunicator.finished`). What writes the users' outputs from an allreduce's
+results (scaling after it, copy out) runs as a second such unit, launched once the first
+finished without error (:meth:`NCCLCommunicator.check_succeeded`): kernels still queued
+behind an aborted NCCL call write nothing. The submitting streams do not wait for the event,
+so the user's later kernels run while the unit communicates; they see the results because
+the user reads them only after the handle completed. Each thread that talks to CUDA for a
+communicator selects the communicator's device once (CuPy's and torch's), and never switches
+back to GPU 0.
 
 The engine thread watches completion events with a deadline instead of blocking in CUDA:
 an NCCL error reported asynchronously, or a collective that does not finish in time (a peer
@@ -325,6 +328,21 @@ class NCCLCommunicator(Communicator):
         self._check_stuck(launched.what, launched.device, launched.deadline)
         return False
 
+    def check_succeeded(self, launched: LaunchedUnit) -> None:
+        """After :meth:`finished` said True: raises if the communicator was aborted or NCCL
+        reported an asynchronous error meanwhile (an aborted collective's kernels end, so its
+        event fires too), so that nothing that uses the unit's results is queued after it.
+
+        Raises:
+            NCCLError: as :meth:`finished` does; the communicator is aborted.
+        """
+        if self._aborted is not None:
+            raise NCCLError(
+                f"NCCL {launched.what} on {launched.device} did not complete: the NCCL "
+                f"communicator was aborted: {self._aborted}"
+            )
+        self._check_async_error(launched.what, launched.device)
+
     def wait(self, launched: LaunchedUnit) -> None:
         """Waits (polling) until the unit launched by :meth:`ordered` has finished; raises
         as :meth:`finished` does."""
@@ -549,13 +567,16 @@ class NCCLCommunicator(Communicator):
         if handle is None:
             return
         if self._stream is not None and self._device is not None:
-            drained = self._cupy.cuda.Event(disable_timing=True)
-            drained.record(self._stream)
-            try:
-                self._wait(drained, "the last collectives before freeing", self._device)
-            except NCCLError:
-                # _wait aborted the communicator (and dropped the handle).
-                return
+            # Any thread may free it (async averaging's from the user's): CuPy's device
+            # for the event, for the call only.
+            with self._cupy.cuda.Device(self._device.index):
+                drained = self._cupy.cuda.Event(disable_timing=True)
+                drained.record(self._stream)
+                try:
+                    self._wait(drained, "the last collectives before freeing", self._device)
+                except NCCLError:
+                    # _wait aborted the communicator (and dropped the handle).
+                    return
         self._handle = None
         handle.destroy()
 

@@ -9,6 +9,11 @@ next units while earlier ones still communicate. The protocol:
 
 - units complete in launch order, each once its communicator says it has finished: a later
   unit never completes before an earlier one, whichever communicator ran it;
+- a unit may be launched in two parts: the communication, and the rest that writes the
+  users' outputs from its results (``then``). The rest is launched by a poll that saw the
+  first part finish, without error (the communicator's ``check_succeeded``), and the unit
+  completes once the rest has finished too: after an abort, kernels queued behind the
+  aborted call still run, and none of them may write into tensors whose handles fail;
 - a unit that cannot finish (an NCCL error, the timeout, the engine stopping) raises
   :class:`CollectiveFailure` from the poll that noticed it, as a failure while running it
   would have;
@@ -46,10 +51,14 @@ class CollectiveFailure(Exception):
 
 class _Pending(NamedTuple):
     comm: Any
-    """The device communicator: ``finished(launched)``, ``wait(launched)``, ``abort()``."""
+    """The device communicator: ``finished(launched)``, ``wait(launched)``, ``abort()``
+    and, for units in two parts, ``check_succeeded(launched)``."""
     launched: Any
     unit: list[Entry]
     complete: list[Callable[[], None]]
+    then: Callable[[], Any] | None
+    """Launches the unit's second part once the first has finished (returns what
+    ``finished`` takes); None once launched, or for a unit of one part."""
 
 
 class Completions:
@@ -66,10 +75,12 @@ class Completions:
         return len(self._units)
 
     def add(
-        self, comm: Any, launched: Any, unit: list[Entry], complete: list[Callable[[], None]]
+        self, comm: Any, launched: Any, unit: list[Entry], complete: list[Callable[[], None]],
+        then: Callable[[], Any] | None = None,
     ) -> None:
-        """Adds a launched unit and the calls that complete its handles."""
-        self._units.append(_Pending(comm, launched, unit, complete))
+        """Adds a launched unit, the calls that complete its handles and, for a unit in two
+        parts, what launches the second (see module docstring)."""
+        self._units.append(_Pending(comm, launched, unit, complete, then))
 
     def requests(self) -> list[Request]:
         """The requests of the units not completed yet."""
@@ -78,25 +89,53 @@ class Completions:
                 if request is not None]
 
     def poll(self) -> None:
-        """Completes the finished units at the head of the queue; never blocks."""
-        while self._units:
-            pending = self._units[0]
+        """Completes the finished units at the head of the queue, and launches the second
+        part of every unit whose first part has finished; never blocks."""
+        units = self._units
+        index = 0
+        while index < len(units):
+            pending = units[index]
+            if pending.then is None and index > 0:
+                # Finished or not, it completes after the units before it.
+                index += 1
+                continue
             try:
-                if not pending.comm.finished(pending.launched):
-                    return
+                done = pending.comm.finished(pending.launched)
             except Exception as exc:
                 raise CollectiveFailure(pending.unit, exc) from exc
-            self._complete()
+            if not done:
+                if index > 0:
+                    return
+                index += 1
+            elif pending.then is not None:
+                units[index] = self._go_on(pending)
+                index += 1
+            else:
+                self._complete()
 
     def drain(self) -> None:
         """Waits for every unit and completes it (the job ends normally)."""
-        while self._units:
-            pending = self._units[0]
+        units = self._units
+        while units:
+            pending = units[0]
             try:
                 pending.comm.wait(pending.launched)
             except Exception as exc:
                 raise CollectiveFailure(pending.unit, exc) from exc
-            self._complete()
+            if pending.then is not None:
+                units[0] = self._go_on(pending)
+            else:
+                self._complete()
+
+    @staticmethod
+    def _go_on(pending: _Pending) -> _Pending:
+        """Launches the second part of a unit whose first part has finished."""
+        assert pending.then is not None
+        try:
+            pending.comm.check_succeeded(pending.launched)
+            return pending._replace(launched=pending.then(), then=None)
+        except Exception as exc:
+            raise CollectiveFailure(pending.unit, exc) from exc
 
     def wait(self, wake: threading.Event, timeout_s: float) -> None:
         """``wake.wait(timeout_s)`` that completes units as they finish meanwhile."""

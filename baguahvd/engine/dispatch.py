@@ -27,6 +27,7 @@ calling thread, it fails that request only.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -38,7 +39,7 @@ from baguahvd.backends.base import Communicator, DeviceCommFactory, SelfCommunic
 from baguahvd.common.exceptions import HorovodInternalError, MismatchError
 from baguahvd.engine import execute
 from baguahvd.engine.completion import CollectiveFailure, Completions, Entry
-from baguahvd.engine.execute import FusionBuffers
+from baguahvd.engine.execute import FusionBuffers, FusionPool
 from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, build_response
 from baguahvd.engine.process_sets import ProcessSetState
@@ -62,11 +63,13 @@ class _Run:
     """What one call that runs a unit works with, passed down instead of kept on the
     dispatcher (whose engine thread and user threads run units at the same time): the unit's
     fusion buffers and, for a device unit launched without waiting, the calls that complete
-    its handles once it has finished (``complete``) and the tensors it made on the
-    communicator's stream for the submitters (``produced``). ``complete`` is None where
-    handles complete as soon as the unit has run."""
+    its handles once it has finished (``complete``), the tensors it made on the
+    communicator's stream for the submitters (``produced``) and what writes its outputs once
+    its communication has finished without error (``rest``, see
+    :func:`~baguahvd.engine.execute.allreduce`). ``complete`` is None where handles complete
+    as soon as the unit has run."""
 
-    __slots__ = ("buffers", "complete", "produced")
+    __slots__ = ("buffers", "complete", "produced", "rest")
 
     def __init__(
         self,
@@ -77,6 +80,7 @@ class _Run:
         self.buffers = buffers
         self.complete = complete
         self.produced = produced
+        self.rest: Callable[[], None] | None = None
 
 
 class Dispatcher:
@@ -157,30 +161,52 @@ class Dispatcher:
         self.execute(unit, state.comm)
 
     def execute_ordered(
-        self, unit: list[Entry], comm: Communicator, buffers: FusionBuffers,
+        self, unit: list[Entry], comm: Communicator, pool: FusionPool,
         wait_here: bool = False,
     ) -> None:
         """:meth:`execute` in the stream order of a device communicator (module docstring),
-        with ``buffers`` (used on that communicator's stream only) as its fusion buffers;
-        the handles complete in :attr:`pending` once the unit's results are in place, or,
-        with ``wait_here`` (a caller that is not the engine thread), before this returns."""
+        with fusion buffers from the communicator's ``pool``; the handles complete in
+        :attr:`pending` once the unit's results are in place, or, with ``wait_here`` (a
+        caller that is not the engine thread), before this returns.
+
+        An allreduce is launched in two parts: the copy in, the scaling before and the
+        NCCL call now; the scaling after and the copy out into the users' outputs once the
+        host has seen the first part finish without error (see
+        :mod:`~baguahvd.engine.completion`), so that a failed collective writes nothing into
+        the tensors of handles that fail. Its fusion buffers stay its own until then."""
         ordered = getattr(comm, "ordered", None)
+        buffers = pool.take()
         if ordered is None:
             self.execute(unit, comm, _Run(buffers))
+            pool.give_back(buffers)
             return
         marks = [request.mark for _, request in unit
                  if request is not None and request.mark is not None]
         device = marks[0].device if marks else (
             getattr(comm, "device", None) or self.user_device or cuda_support.thread_cuda_device()
         )
+        name = unit[0][0].name
         deferred: list[Callable[[], None]] = []
-        with ordered(device, marks, unit[0][0].name) as launched:
-            self.execute(unit, comm, _Run(buffers, deferred, launched.produced))
+        with ordered(device, marks, name) as launched:
+            run = _Run(buffers, deferred, launched.produced)
+            self.execute(unit, comm, run)
+        rest = run.rest
+        then: Callable[[], object] | None = None
+        if rest is None:
+            pool.give_back(buffers)
+        else:
+            def then() -> object:
+                with ordered(device, (), name) as launched_rest:
+                    rest()
+                # Its last use is queued on the communicator's stream.
+                pool.give_back(buffers)
+                return launched_rest
+
         if not wait_here:
-            self.pending.add(comm, launched, unit, deferred)
+            self.pending.add(comm, launched, unit, deferred, then)
             return
         alone = Completions()
-        alone.add(comm, launched, unit, deferred)
+        alone.add(comm, launched, unit, deferred, then)
         alone.drain()
 
     def run_alone(self, request: Request, state: ProcessSetState) -> None:
@@ -197,7 +223,7 @@ class Dispatcher:
                 # The submitting thread runs it: only the engine thread polls launched
                 # units, so this one is waited for here.
                 self.execute_ordered(
-                    [(response, request)], state.device_comm, self._thread_run().buffers,
+                    [(response, request)], state.device_comm, state.device_buffers,
                     wait_here=True,
                 )
             else:
@@ -208,9 +234,10 @@ class Dispatcher:
             self.finish(request, error=named_error(cause, response.name))
 
     def _thread_run(self) -> _Run:
-        """The calling user thread's :class:`_Run` for single-member collectives: fusion
-        buffers of its own, which no other thread uses (the thread waits for each of its
-        device units before it runs the next)."""
+        """The calling user thread's :class:`_Run` for single-member collectives that run
+        at once: fusion buffers of its own, which no other thread uses. (Those that go
+        through a one-rank NCCL communicator take buffers from its pool, as the engine's
+        device units do.)"""
         run: _Run | None = getattr(self._alone, "run", None)
         if run is None:
             run = self._alone.run = _Run(FusionBuffers())
@@ -263,6 +290,9 @@ class Dispatcher:
         if inference or torch.is_grad_enabled():
             with torch.inference_mode() if inference else torch.no_grad():
                 self._execute_traced(unit, comm, run)
+            if run is not None and run.rest is not None:
+                # Run later, maybe by another thread: under the same mode.
+                run.rest = functools.partial(_without_grad, run.rest, inference)
         else:
             self._execute_traced(unit, comm, run)
 
@@ -295,10 +325,14 @@ class Dispatcher:
             return
         op = response.op
         if op == OpType.ALLREDUCE:
-            execute.allreduce(
-                comm, unit, self.buffers if run is None else run.buffers, phase,
-                self.user_device,
-            )
+            if run is None:
+                execute.allreduce(comm, unit, self.buffers, phase, self.user_device)
+            elif run.complete is None:
+                execute.allreduce(comm, unit, run.buffers, phase, self.user_device)
+            else:
+                run.rest = execute.allreduce(
+                    comm, unit, run.buffers, phase, self.user_device, split=True
+                )
             self.complete_all(requests, run)
             return
         if op == OpType.BARRIER:
@@ -372,3 +406,10 @@ class Dispatcher:
             request.handle.fail(error)
         else:
             request.handle.complete(result, extra)
+
+
+def _without_grad(call: Callable[[], None], inference: bool) -> None:
+    """``call()`` without autograd, in inference mode where the unit's tensors need it
+    (see :meth:`Dispatcher.execute`)."""
+    with torch.inference_mode() if inference else torch.no_grad():
+        call()

@@ -128,6 +128,38 @@ class FusionBuffers:
         return buffer, views
 
 
+class FusionPool:
+    """The fusion buffers of one device communicator's units, one :class:`FusionBuffers` per
+    unit in flight.
+
+    A fused device unit keeps its buffers from its launch until the copy out of them is
+    queued, which waits until the host has seen the unit's communication finish (see
+    :func:`allreduce`'s ``split``); units launched meanwhile take other buffers. All of them
+    are used on the communicator's stream only, in the order that stream runs them, so a
+    buffer given back is ready for the next unit queued there, and one dropped (grown, or
+    beyond the few that are kept) goes back to the allocator of that stream, which orders
+    its reuse after its last use.
+    """
+
+    _KEEP = 2
+    """Buffers kept for reuse; more are in flight only while the device lags behind."""
+
+    def __init__(self) -> None:
+        self._free: list[FusionBuffers] = []
+
+    def take(self) -> FusionBuffers:
+        """Buffers no unit in flight uses (any thread)."""
+        try:
+            return self._free.pop()
+        except IndexError:
+            return FusionBuffers()
+
+    def give_back(self, buffers: FusionBuffers) -> None:
+        """Returns buffers once every use of them is queued on the communicator's stream."""
+        if len(self._free) < self._KEEP:
+            self._free.append(buffers)
+
+
 Entry = tuple[Response, "Request | None"]
 
 
@@ -184,11 +216,19 @@ def allreduce(
     buffers: FusionBuffers,
     phase: Callable[[str], None] | None = None,
     user_device: torch.device | None = None,
-) -> None:
+    split: bool = False,
+) -> Callable[[], None] | None:
     """Allreduces every tensor of ``entries`` (same dtype, op and factors) in one call.
 
     ``phase`` (for the timeline) is told when each step begins: ``MEMCPY_IN_FUSION_BUFFER``,
     ``COMMUNICATE`` and ``MEMCPY_OUT_FUSION_BUFFER``; unfused tensors only communicate.
+
+    ``split`` (a device unit, launched without waiting): only the steps up to the
+    communication run here, and the rest, which writes the outputs from the communication's
+    results (the scaling after it, the copy out of the fusion buffer), is returned for the
+    caller to run once the communication has finished without error; None when nothing is
+    left (an unfused tensor without a postscale, which the communication writes itself).
+    Without ``split`` everything runs here and None is returned.
     """
     if phase is None:
         phase = _no_phase
@@ -199,7 +239,7 @@ def allreduce(
         for entry in entries:
             for tensor_in, tensor_out in zip(*_inputs_outputs(entry, dtype, comm, user_device)):
                 adasum(comm, tensor_in, tensor_out, first.prescale, first.postscale)
-        return
+        return None
     op, pre, post = _factors(first, comm)
     inputs: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []
@@ -216,8 +256,11 @@ def allreduce(
         tensor_in, tensor_out = inputs[0], outputs[0]
         source = scaled(tensor_in, pre) if pre != 1.0 else tensor_in
         phase("COMMUNICATE")
+        if split and post != 1.0:
+            comm.allreduce(source, tensor_out, op)
+            return lambda: scale_(tensor_out, post)
         _reduce_scaled(comm, source, tensor_out, op, post)
-        return
+        return None
     phase("MEMCPY_IN_FUSION_BUFFER")
     shapes = tuple(shape for entry in entries for shape in entry[0].shapes)
     buffer, views = buffers.views(dtype, inputs[0].device, shapes, first.device == "CPU")
@@ -226,7 +269,21 @@ def allreduce(
     _copy_all(views, inputs)
     scale_(buffer, pre)
     phase("COMMUNICATE")
+    if split:
+        comm.allreduce(buffer, buffer, op)
+        return lambda: _scale_and_copy_out(buffer, views, outputs, post, phase)
     _reduce_scaled(comm, buffer, buffer, op, post)
+    phase("MEMCPY_OUT_FUSION_BUFFER")
+    _copy_all(outputs, views)
+    return None
+
+
+def _scale_and_copy_out(
+    buffer: torch.Tensor, views: list[torch.Tensor], outputs: list[torch.Tensor], post: float,
+    phase: Callable[[str], None],
+) -> None:
+    """The rest of a split fused allreduce (see :func:`allreduce`)."""
+    scale_(buffer, post)
     phase("MEMCPY_OUT_FUSION_BUFFER")
     _copy_all(outputs, views)
 

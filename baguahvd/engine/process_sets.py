@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from baguahvd.backends.base import Communicator, ControlPlane, SelfCommunicator
-from baguahvd.engine.execute import FusionBuffers
+from baguahvd.engine.execute import FusionPool
 
 GLOBAL_PROCESS_SET_ID = 0
 
@@ -29,7 +29,7 @@ class ProcessSetState:
     """Communicator of the members; None on ranks outside the set."""
     device_comm: Communicator | None = None
     """Device (GPU) communicator of the members, created at the set's first GPU collective."""
-    device_buffers: FusionBuffers = dataclasses.field(default_factory=FusionBuffers)
+    device_buffers: FusionPool = dataclasses.field(default_factory=FusionPool)
     """The fusion buffers of the device communicator's units, which use them on that
     communicator's stream only: units of different sets' communicators run at the same time,
     unordered, and a buffer dropped when it grows may be handed out again by the allocator
