@@ -79,21 +79,33 @@ def _fill_tensors(value: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer, root_rank: int, model: torch.nn.Module | None = None
+    optimizer: torch.optim.Optimizer,
+    root_rank: int,
+    model: torch.nn.Module | None = None,
+    *,
+    initialize_state: bool = True,
 ) -> None:
     """Makes every rank's optimizer state and hyperparameters equal to the root's.
 
-    Every state tensor (momentum buffers, Adam moments, ...) is broadcast in place of a
-    tensor of the root's shape, and every scalar (``lr``, ``betas``, ``step``...) keeps its
-    Python type. Unlike Horovod, no optimizer step is taken to create missing state, so the
-    root's state and step count are never altered; an optimizer that has not stepped yet
-    leaves every rank without state. As after Horovod's step, an optimizer without state
-    leaves a zero gradient on every parameter that requires one and had none.
+    As Horovod does, an optimizer without state first gets one: every parameter that
+    requires a gradient gets a zero gradient and the optimizer takes one step of its own
+    class (a ``DistributedOptimizer`` communicates nothing in it). That step is what an
+    optimizer does with a zero gradient: with weight decay it moves the parameters by
+    ``lr * weight_decay * p`` and starts SGD's momentum at ``weight_decay * p``, so training
+    continues exactly as under Horovod. An optimizer still without state after it (plain
+    SGD) is stateless and nothing is broadcast. Then every state tensor (momentum buffers,
+    Adam moments, ...) is broadcast in place of a tensor of the root's shape, and every
+    scalar (``lr``, ``betas``, ``step``...) keeps its Python type.
 
     Args:
         optimizer: the optimizer (plain or ``DistributedOptimizer``).
         root_rank: the rank whose state everybody takes.
-        model: accepted for compatibility with Horovod; not needed.
+        model: where Horovod looks for sparse ``nn.Embedding`` modules, whose parameters
+            get sparse zero gradients for ``SGD``.
+        initialize_state: ``False`` skips the state-creating step (baguahvd only): no
+            parameter moves and the root's state is never altered; only parameters without
+            a gradient get a zero one, and the hyperparameters are broadcast even when
+            nobody has state.
 
     Raises:
         ValueError: ``optimizer`` is a ``torch.optim.LBFGS``, whose state Horovod refuses to
@@ -103,7 +115,13 @@ def broadcast_optimizer_state(
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
     state = optimizer.state_dict()
     if not state["state"]:
-        _zero_missing_grads(optimizer)
+        if initialize_state:
+            _take_initializing_step(optimizer, model)
+            state = optimizer.state_dict()
+            if not state["state"]:
+                return
+        else:
+            _zero_missing_grads(optimizer)
     tensors: list[torch.Tensor] = []
     skeleton = _split_tensors(state, tensors) if runtime.rank() == root_rank else None
     skeleton = broadcast_object(skeleton, root_rank, name="optimizer_state.skeleton")
@@ -128,13 +146,34 @@ def broadcast_optimizer_state(
         optimizer.load_state_dict(_fill_tensors(skeleton, received))
 
 
-def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
-    """Gives every parameter that requires a gradient and has none a zero gradient.
+def _take_initializing_step(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
+) -> None:
+    """Horovod's way of creating an optimizer's state: a zero gradient on every parameter
+    that requires one (replacing any gradient it had; sparse for ``SparseAdam``, and for
+    ``SGD`` on the weights of sparse embeddings of ``model``), then one step of the
+    optimizer's own class, which for a ``DistributedOptimizer`` skips its allreduces."""
+    sparse_always = isinstance(optimizer, torch.optim.SparseAdam)
+    sparse_weights: set[int] = set()
+    if model is not None and isinstance(optimizer, torch.optim.SGD):
+        sparse_weights = {
+            id(module.weight) for module in model.modules()
+            if isinstance(module, torch.nn.Embedding) and module.sparse
+        }
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                zeros = torch.zeros_like(p)
+                p.grad = zeros.to_sparse() if sparse_always or id(p) in sparse_weights else zeros
+    own_class = getattr(optimizer, "_wrapped_optimizer_class", type(optimizer))
+    own_class.step(optimizer)
 
-    Horovod takes an optimizer step to create the state of an optimizer that has none,
-    which leaves these zero gradients behind; scripts read them (or broadcast them) right
-    after. baguahvd leaves the same gradients without stepping. ``SparseAdam`` only takes
-    sparse gradients, so it gets sparse zeros.
+
+def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
+    """Gives every parameter that requires a gradient and has none a zero gradient, the
+    gradients Horovod's state-creating step leaves behind, without the step
+    (``initialize_state=False``). ``SparseAdam`` only takes sparse gradients, so it gets
+    sparse zeros.
     """
     sparse = isinstance(optimizer, torch.optim.SparseAdam)
     for group in optimizer.param_groups:

@@ -272,8 +272,22 @@ def test_broadcast_optimizer_state_before_any_step(rank: int, size: int) -> None
     root = _root(size)
     optimizer = _trained("adam", seed=rank, data_seed=rank, steps=0)
     model = optimizer.model  # type: ignore[attr-defined]
-    params_before = [p.detach().clone() for p in model.parameters()]
     hvd.broadcast_optimizer_state(optimizer, root_rank=root)
+    # As Horovod: a step with zero gradients created the state, then the root's replaced it.
+    oracle = _trained("adam", seed=root, data_seed=root, steps=0)
+    _initializing_step(oracle)
+    _assert_optimizer_state_equal(optimizer.state_dict(), _snapshot(oracle))
+    assert int(optimizer.state_dict()["state"][0]["step"]) == 1
+    for param in model.parameters():
+        assert param.grad is not None and torch.equal(param.grad, torch.zeros_like(param))
+
+
+def test_broadcast_optimizer_state_without_the_initializing_step(rank: int, size: int) -> None:
+    root = _root(size)
+    optimizer = _trained("adam", seed=rank, data_seed=rank, steps=0)
+    model = optimizer.model  # type: ignore[attr-defined]
+    params_before = [p.detach().clone() for p in model.parameters()]
+    hvd.broadcast_optimizer_state(optimizer, root_rank=root, initialize_state=False)
     state = optimizer.state_dict()
     # No step is taken on anybody's behalf: the state stays empty and no parameter moves.
     assert len(state["state"]) == 0
@@ -282,27 +296,89 @@ def test_broadcast_optimizer_state_before_any_step(rank: int, size: int) -> None
     # The hyperparameters are the root's.
     expected = _snapshot(_trained("adam", seed=root, data_seed=root, steps=0))
     _assert_optimizer_state_equal(state, expected)
-    # As after Horovod's state-creating step, every parameter has a zero gradient.
     for param in model.parameters():
         assert param.grad is not None and torch.equal(param.grad, torch.zeros_like(param))
 
 
-def test_broadcast_optimizer_state_zero_grads_only_where_missing(rank: int, size: int) -> None:
+def test_broadcast_optimizer_state_zero_grads(rank: int, size: int) -> None:
     frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
     kept = torch.nn.Parameter(torch.ones(2))
     missing = torch.nn.Parameter(torch.ones(3))
-    kept.grad = torch.full((2,), 5.0)
-    optimizer = torch.optim.Adam([frozen, kept, missing], lr=0.1)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    assert frozen.grad is None
-    assert torch.equal(kept.grad, torch.full((2,), 5.0))
-    assert torch.equal(missing.grad, torch.zeros(3))
+    # Horovod's step replaces every gradient with zeros; without the step, only missing
+    # gradients are made.
+    for initialize_state, kept_grad in ((True, 0.0), (False, 5.0)):
+        kept.grad = torch.full((2,), 5.0)
+        missing.grad = None
+        optimizer = torch.optim.Adam([frozen, kept, missing], lr=0.1)
+        hvd.broadcast_optimizer_state(
+            optimizer, root_rank=0, initialize_state=initialize_state
+        )
+        assert frozen.grad is None
+        assert torch.equal(kept.grad, torch.full((2,), kept_grad))
+        assert torch.equal(missing.grad, torch.zeros(3))
     # An optimizer that has state keeps every gradient as it was.
     trained = _trained("sgd", seed=rank, data_seed=rank)
     for param in trained.param_groups[0]["params"]:
         param.grad = None
     hvd.broadcast_optimizer_state(trained, root_rank=0)
     assert all(p.grad is None for p in trained.param_groups[0]["params"])
+
+
+def _initializing_step(optimizer: torch.optim.Optimizer) -> None:
+    """The oracle of Horovod's state-creating step: zero gradients, one plain step, for an
+    optimizer without state (Adagrad makes its state when constructed, and takes none)."""
+    if optimizer.state_dict()["state"]:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+    optimizer.step()
+
+
+_FIRST_STEP_OPTIMIZERS = {
+    "sgd_momentum_weight_decay": lambda params: torch.optim.SGD(
+        params, lr=0.1, momentum=0.9, weight_decay=1e-2
+    ),
+    "adam_weight_decay": lambda params: torch.optim.Adam(params, lr=0.01, weight_decay=1e-2),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=1e-2),
+    "rmsprop": lambda params: torch.optim.RMSprop(
+        params, lr=0.01, momentum=0.5, weight_decay=1e-2
+    ),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.01, weight_decay=1e-2),
+    "sgd_weight_decay_only": lambda params: torch.optim.SGD(params, lr=0.1, weight_decay=1e-2),
+}
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distributed"])
+@pytest.mark.parametrize("kind", sorted(_FIRST_STEP_OPTIMIZERS))
+def test_broadcast_optimizer_state_moves_parameters_as_horovod_does(
+    rank: int, size: int, kind: str, distributed: bool
+) -> None:
+    # A Horovod-style script: parameters from the root, then its optimizer state. With
+    # weight decay the state-creating step moves the parameters: every rank ends where the
+    # root's plain step from the same parameters ends, bit for bit.
+    root = _root(size)
+    make = _FIRST_STEP_OPTIMIZERS[kind]
+    model = _model(rank)
+    optimizer = make(model.parameters())
+    if distributed:
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=root)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=root)
+    oracle_model = _model(root)
+    oracle = make(oracle_model.parameters())
+    _initializing_step(oracle)
+    for mine, expected in zip(model.parameters(), oracle_model.parameters()):
+        assert torch.equal(mine, expected)
+    moved = not torch.equal(next(model.parameters()), next(_model(root).parameters()))
+    assert moved == (kind != "adagrad")
+    _assert_optimizer_state_equal(optimizer.state_dict(), _snapshot(oracle))
+    if kind == "sgd_momentum_weight_decay":
+        # SGD's momentum starts at weight_decay * p of the parameters before the step.
+        start = next(_model(root).parameters()).detach()
+        buffer = optimizer.state_dict()["state"][0]["momentum_buffer"]
+        torch.testing.assert_close(buffer, 1e-2 * start, rtol=1e-6, atol=0)
 
 
 def test_broadcast_optimizer_state_mixed_requires_grad(rank: int, size: int) -> None:
@@ -331,15 +407,19 @@ def test_broadcast_optimizer_state_only_the_root_has_state(rank: int, size: int)
 
 
 def test_broadcast_optimizer_state_only_the_others_have_state(rank: int, size: int) -> None:
-    # The root has not stepped: everybody ends without state, as the root.
+    # The root has not stepped: it takes Horovod's state-creating step, and everybody ends
+    # with the state that step made.
     root = size - 1
     steps = 0 if rank == root else 2
     optimizer = _trained("sgd", seed=root, data_seed=rank, steps=steps)
     hvd.broadcast_optimizer_state(optimizer, root_rank=root)
+    oracle = _trained("sgd", seed=root, data_seed=root, steps=0)
+    _initializing_step(oracle)
+    _assert_optimizer_state_equal(optimizer.state_dict(), _snapshot(oracle))
+    # Without the step, everybody ends without state, as the root.
+    optimizer = _trained("sgd", seed=root, data_seed=rank, steps=steps)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=root, initialize_state=False)
     assert len(optimizer.state_dict()["state"]) == 0
-    _assert_optimizer_state_equal(
-        optimizer.state_dict(), _snapshot(_trained("sgd", seed=root, data_seed=root, steps=0))
-    )
 
 
 @pytest.mark.parametrize(
@@ -390,4 +470,5 @@ def test_broadcast_state_into_a_distributed_optimizer(rank: int, size: int) -> N
         assert torch.allclose(row, flat)
     # A later broadcast of a stepped DistributedOptimizer's state works as well.
     hvd.broadcast_optimizer_state(optimizer, root_rank=size - 1)
-    assert int(optimizer.state_dict()["state"][0]["step"]) == 2
+    # The state-creating step and two training steps, as under Horovod.
+    assert int(optimizer.state_dict()["state"][0]["step"]) == 3

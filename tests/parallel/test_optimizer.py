@@ -646,12 +646,16 @@ def test_broadcast_optimizer_state_before_any_step(rank: int, size: int) -> None
         torch.optim.SGD(model.parameters(), lr=0.1 * (rank + 1), momentum=0.9),
         named_parameters=model.named_parameters(),
     )
+    before = [p.detach().clone() for p in model.parameters()]
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    assert len(optimizer.state) == 0  # no step was taken to create state
-    assert optimizer.param_groups[0]["lr"] == 0.1
-    # Horovod's observable state after its state-creating step: zero gradients.
-    for p in model.parameters():
+    # Horovod's state-creating step with zero gradients: momentum buffers of zeros, no
+    # parameter moved (no weight decay), zero gradients left behind.
+    assert len(optimizer.state) == len(before)
+    for p, old in zip(model.parameters(), before):
+        assert torch.equal(optimizer.state[p]["momentum_buffer"], torch.zeros_like(p))
+        assert torch.equal(p, old)
         assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p))
+    assert optimizer.param_groups[0]["lr"] == 0.1
 
 
 def test_replacing_the_optimizer(rank: int, size: int) -> None:
