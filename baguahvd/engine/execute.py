@@ -46,20 +46,37 @@ def numel(shape: Sequence[int]) -> int:
 
 
 def scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
-    """``tensor * factor`` computed the way Horovod does, as a new tensor of the same dtype."""
-    if tensor.dtype in (torch.float16, torch.bfloat16):
-        return (tensor.float() * factor).to(tensor.dtype)
+    """``tensor * factor`` as Horovod computes it, as a new tensor of the same dtype: in
+    float64 and rounded once to the dtype (integers truncated toward zero)."""
+    wide = tensor.to(torch.float64) * factor
+    if tensor.dtype == torch.float64:
+        return wide
     if tensor.is_floating_point():
-        return tensor * factor
-    return torch.trunc(tensor.double() * factor).to(tensor.dtype)
+        return wide.to(tensor.dtype)
+    return torch.trunc(wide).to(tensor.dtype)
+
+
+_SCALE_CHUNK = 1 << 16
+"""Elements scaled at a time by :func:`scale_` (a 512 KiB float64 temporary)."""
 
 
 def scale_(tensor: torch.Tensor, factor: float) -> None:
-    if factor != 1.0:
-        if tensor.is_floating_point() and tensor.dtype not in (torch.float16, torch.bfloat16):
-            tensor.mul_(factor)
-        else:
-            tensor.copy_(scaled(tensor, factor))
+    """Scales ``tensor`` in place as :func:`scaled` computes it. Horovod multiplies every
+    element by the factor in double precision and rounds once: a multiplication in the
+    tensor's own precision rounds the factor first (``1/3`` as a float32), which makes
+    Average differ from Horovod's in the last bit at sizes that are not powers of two."""
+    if factor == 1.0:
+        return
+    if tensor.dtype == torch.float64:
+        tensor.mul_(factor)
+        return
+    if not tensor.is_contiguous():
+        tensor.copy_(scaled(tensor, factor))
+        return
+    flat = tensor.view(-1)
+    for start in range(0, flat.numel(), _SCALE_CHUNK):
+        part = flat[start : start + _SCALE_CHUNK]
+        part.copy_(scaled(part, factor))
 
 
 # Fused layouts whose views are kept: a training step repeats a few of them.

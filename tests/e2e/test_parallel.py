@@ -26,9 +26,11 @@ SPLIT_DATA_PLANE = (
 )
 """Modules also run with BAGUAHVD_CPU_BACKEND=gloo: MPI negotiates, gloo moves the CPU
 tensors (the data plane auto picks between hosts over TCP), at -np 2."""
+ALSO_AT_5_AND_6 = ("test_scaling.py",)
+"""Modules whose arithmetic depends on sizes whose inverse is not exact in binary."""
 RUNS = [(module, np) for module in PARALLEL for np in (2, 3)] + [
     (module, 4) for module in ALSO_AT_4
-]
+] + [(module, np) for module in ALSO_AT_5_AND_6 for np in (5, 6)]
 MODULE_ENV = {"test_call_sites.py": {"BAGUAHVD_CHECK_CALL_SITES": "1"}}
 """Settings read at init() that a module needs (the module skips itself without them)."""
 
