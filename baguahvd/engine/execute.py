@@ -12,6 +12,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from baguahvd.backends import memory
@@ -69,6 +70,13 @@ def scale_(tensor: torch.Tensor, factor: float) -> None:
         return
     if tensor.dtype == torch.float64:
         tensor.mul_(factor)
+        return
+    if tensor.dtype == torch.float32 and not tensor.is_cuda and tensor.is_contiguous():
+        # NumPy runs the float64 loop over buffered chunks of the float32 array in place:
+        # about twice as fast as converting through torch, and as fast for small tensors
+        # as a float32 multiplication.
+        array = tensor.detach().view(-1).numpy()
+        np.multiply(array, np.float64(factor), out=array, casting="unsafe")
         return
     if not tensor.is_contiguous():
         tensor.copy_(scaled(tensor, factor))
