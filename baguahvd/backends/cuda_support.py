@@ -10,6 +10,8 @@ model, the fake CuPy's tests) replaces it for all of them.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -19,6 +21,8 @@ import torch
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.common.ops import ReduceOp
 from baguahvd.kernels import cupy_api
+
+logger = logging.getLogger(__name__)
 
 BFLOAT16_MIN_VERSION = 21000
 """NCCL 2.10 is the first to reduce bfloat16."""
@@ -151,6 +155,53 @@ def set_torch_device(device: torch.device) -> None:
 def thread_cuda_device() -> torch.device | None:
     """This thread's current CUDA device in torch, None without CUDA."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def stream_capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a CUDA graph; False without
+    CUDA."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_CAPTURE_MODE_RELAXED = 2
+"""``cudaStreamCaptureModeRelaxed`` (``CU_STREAM_CAPTURE_MODE_RELAXED``)."""
+
+_CUDA_SUCCESS = 0
+
+
+def _cuda_driver() -> Any:
+    """The CUDA driver library; None without one."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def relax_capture_mode() -> bool:
+    """Puts the calling thread in CUDA's relaxed stream-capture mode, so that its CUDA calls
+    (an event query, an allocation) do not break a graph another thread is capturing.
+
+    torch captures in the global mode by default, in which such a call from any thread
+    whose own mode is global invalidates the capture. baguahvd's background threads that
+    talk to CUDA call this when they start and, where CUDA may not have been initialized
+    then, again before their first CUDA call. It goes through the driver's
+    ``cuThreadExchangeStreamCaptureMode`` (CuPy does not expose it; the runtime's
+    ``cudaThreadExchangeStreamCaptureMode`` forwards to it): a driver call needs no CUDA
+    context, so it makes none (on GPU 0, for a thread that has not selected its device).
+
+    Returns:
+        Whether the thread is now in the relaxed mode: False without a CUDA driver (nothing
+        to do) and while the process has not initialized CUDA yet (call again later).
+    """
+    driver = _cuda_driver()
+    if driver is None:
+        return False
+    mode = ctypes.c_int(_CAPTURE_MODE_RELAXED)
+    status = driver.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
+    if status != _CUDA_SUCCESS:
+        logger.debug("cuThreadExchangeStreamCaptureMode returned %s", status)
+        return False
+    return True
 
 
 def set_cupy_device(device: torch.device) -> None:

@@ -261,6 +261,7 @@ class NCCLCommunicator(Communicator):
         outcome: list[BaseException | None] = []
 
         def connect() -> None:
+            cuda_support.relax_capture_mode()
             try:
                 cupy.cuda.Device(index).use()
                 cuda_support.set_torch_device(device)

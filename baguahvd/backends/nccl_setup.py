@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from baguahvd.backends import cuda_support
 from baguahvd.backends.cuda_support import NCCLError, NCCLTimeoutError
 from baguahvd.kernels import cupy_api
 
@@ -128,6 +129,8 @@ class _Helper(threading.Thread):
     def run(self) -> None:
         cupy = self.cupy
         nccl = cupy.cuda.nccl
+        # NCCL's setup allocates device memory, which would break a user's graph capture.
+        cuda_support.relax_capture_mode()
         try:
             cupy.cuda.Device(self.device_index).use()
             handle = cupy_api.new_communicator(nccl, self.size, self.unique_id, self.rank)

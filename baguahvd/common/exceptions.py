@@ -116,3 +116,21 @@ class DuplicateNameError(ValueError):
 
 class ProcessSetError(ValueError):
     """A process set was used by a non-member, or was never registered."""
+
+
+class CudaGraphCaptureError(ValueError):
+    """A collective was submitted while the submitting thread's current CUDA stream was
+    capturing a CUDA graph (``torch.cuda.graph``, ``make_graphed_callables``).
+
+    Collectives are negotiated with the other ranks and launched by the engine thread, so a
+    graph cannot replay them; the call is refused on this rank (and its peers' matching
+    collective fails with this reason) instead of being queued.
+    """
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"{what}: collectives cannot be captured in a CUDA graph, and this thread's "
+            "current CUDA stream is capturing one. Call baguahvd collectives outside the "
+            "captured region (for example, allreduce the gradients after replaying the "
+            "graph, before the optimizer step)."
+        )

@@ -134,6 +134,12 @@ class Dispatcher:
         """Device units launched and not completed yet."""
         self._alone = threading.local()
         """Per user thread: the :class:`_Run` of the single-member collectives it runs."""
+        self.capture_relaxed = False
+        """Whether the engine thread is in CUDA's relaxed stream-capture mode
+        (:func:`~baguahvd.backends.cuda_support.relax_capture_mode`), in which its CUDA
+        calls (the polls of launched units' events) leave the users' graph captures alone.
+        It switches before its first device unit, its first CUDA call (the process may not
+        have initialized CUDA when the engine thread started)."""
 
     def mark(self, request: Request) -> None:
         """Notes where a submission stands in its submitter's CUDA stream (user thread)."""
@@ -154,6 +160,8 @@ class Dispatcher:
         if state is None or state.comm is None:
             return
         if response.device != "CPU" and response.error is None:
+            if not self.capture_relaxed:
+                self.capture_relaxed = cuda_support.relax_capture_mode()
             self.execute_ordered(
                 unit, self.device_comm(state, state.comm), state.device_buffers
             )

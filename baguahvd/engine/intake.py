@@ -29,7 +29,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from baguahvd.common.exceptions import DuplicateNameError
+from baguahvd.backends import cuda_support
+from baguahvd.common.exceptions import CudaGraphCaptureError, DuplicateNameError
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine import execute
 from baguahvd.engine.cache import UNNAMED_PREFIX, is_unnamed
@@ -119,7 +120,29 @@ class RequestQueue:
         splits: Sequence[int] | None,
         payload: Sequence[int],
     ) -> Request:
-        """The request of one call (see :meth:`~baguahvd.engine.engine.Engine.submit`)."""
+        """The request of one call (see :meth:`~baguahvd.engine.engine.Engine.submit`).
+
+        Raises:
+            CudaGraphCaptureError: CUDA tensors were submitted while this thread's current
+                stream captures a CUDA graph; refused before the call is named, so that the
+                placeholder of the failed call takes the name the call would have had.
+        """
+        if inputs:
+            first = inputs[0]
+            # The kind only, as Horovod compares it: each rank drives its own GPU (usually
+            # cuda:<local_rank>), so indices differ across ranks of one collective.
+            if first.is_cuda:
+                device = "GPU"
+                if cuda_support.stream_capturing():
+                    raise CudaGraphCaptureError(label)
+            else:
+                device = "CPU"
+            dtype = _DTYPE_NAMES.get(first.dtype) or execute.dtype_name(first.dtype)
+            shapes = (tuple(first.shape),) if len(inputs) == 1 else tuple(
+                tuple(t.shape) for t in inputs
+            )
+        else:
+            dtype, shapes, device = "", (), "CPU"
         site = ""
         if name is not None and op != OpType.JOIN:
             key = display = f"{label}.{name}"
@@ -133,17 +156,6 @@ class RequestQueue:
                 self._noname[process_set_id] = count + 1
             key = f"{UNNAMED_PREFIX}{count}"
             display = f"{label}.{UNNAMED_PREFIX}{count}"
-        if inputs:
-            first = inputs[0]
-            dtype = _DTYPE_NAMES.get(first.dtype) or execute.dtype_name(first.dtype)
-            shapes = (tuple(first.shape),) if len(inputs) == 1 else tuple(
-                tuple(t.shape) for t in inputs
-            )
-            # The kind only, as Horovod compares it: each rank drives its own GPU (usually
-            # cuda:<local_rank>), so indices differ across ranks of one collective.
-            device = "GPU" if first.is_cuda else "CPU"
-        else:
-            dtype, shapes, device = "", (), "CPU"
         # Positional: the per-request path of every small collective.
         meta = RequestMeta(
             key,

@@ -381,6 +381,8 @@ class AsyncModelAverageImpl(GradientAlgorithmImpl):
             raise HorovodInternalError(f"async model averaging failed: {error}") from error
 
     def _loop(self) -> None:
+        # This thread talks to CUDA while the training thread may capture a CUDA graph.
+        cuda_support.relax_capture_mode()
         try:
             with torch.no_grad():
                 while self._round():

@@ -121,6 +121,8 @@ class Worker:
         self._jobs.put(None)
 
     def _loop(self) -> None:
+        # This thread talks to CUDA while the training thread may capture a CUDA graph.
+        cuda_support.relax_capture_mode()
         with runtime.require_engine().activity(self._activity):
             self._run_jobs()
 
