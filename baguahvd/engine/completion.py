@@ -88,11 +88,13 @@ class Completions:
         return [request for pending in units for _, request in pending.unit
                 if request is not None]
 
-    def poll(self) -> None:
+    def poll(self) -> bool:
         """Completes the finished units at the head of the queue, and launches the second
-        part of every unit whose first part has finished; never blocks."""
+        part of every unit whose first part has finished; never blocks. Returns whether it
+        launched a second part (short: worth polling again soon)."""
         units = self._units
         index = 0
+        launched = False
         while index < len(units):
             pending = units[index]
             if pending.then is None and index > 0:
@@ -105,13 +107,15 @@ class Completions:
                 raise CollectiveFailure(pending.unit, exc) from exc
             if not done:
                 if index > 0:
-                    return
+                    break
                 index += 1
             elif pending.then is not None:
                 units[index] = self._go_on(pending)
+                launched = True
                 index += 1
             else:
                 self._complete()
+        return launched
 
     def drain(self) -> None:
         """Waits for every unit and completes it (the job ends normally)."""
@@ -153,8 +157,7 @@ class Completions:
                 wake.wait(left)
                 return
             wake.wait(min(delay, left))
-            delay = min(delay * 2, _LONGEST_POLL_S)
-            self.poll()
+            delay = _FIRST_POLL_S if self.poll() else min(delay * 2, _LONGEST_POLL_S)
 
     def abandon(self, error: BaseException) -> None:
         """Gives up the units still running (the engine thread stops): aborts their

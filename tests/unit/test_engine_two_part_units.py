@@ -52,15 +52,15 @@ def two_parts(completions: Completions, comm: Device, name: str,
 def test_the_rest_is_launched_once_the_first_part_finished_and_completes_after_it() -> None:
     completions, comm, log = Completions(), Device(), []
     two_parts(completions, comm, "a", log)
-    completions.poll()
+    assert not completions.poll()
     assert log == []
     comm.fired.add("a")
-    completions.poll()
+    assert completions.poll()  # launched the rest: worth polling again soon
     assert log == ["a.rest"] and comm.checked == ["a"]
-    completions.poll()
+    assert not completions.poll()
     assert log == ["a.rest"]  # the rest has not finished
     comm.fired.add("a.rest")
-    completions.poll()
+    assert not completions.poll()
     assert log == ["a.rest", "a.done"] and len(completions) == 0
 
 
