@@ -261,10 +261,19 @@ def allreduce(
     dtype = DTYPES[first.dtype]
     if first.reduce_op == ReduceOp.ADASUM:
         phase("COMMUNICATE")
+        targets: list[torch.Tensor] = []
+        results: list[torch.Tensor] = []
         for entry in entries:
             for tensor_in, tensor_out in zip(*_inputs_outputs(entry, dtype, comm, user_device)):
-                adasum(comm, tensor_in, tensor_out, first.prescale, first.postscale)
-        return None
+                if not split:
+                    adasum(comm, tensor_in, tensor_out, first.prescale, first.postscale)
+                    continue
+                # Into a tensor of its own, copied out with the rest.
+                result = torch.empty_like(tensor_out)
+                adasum(comm, tensor_in, result, first.prescale, first.postscale)
+                targets.append(tensor_out)
+                results.append(result)
+        return (lambda: _copy_all(targets, results)) if split else None
     op, pre, post = _factors(first, comm)
     inputs: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []

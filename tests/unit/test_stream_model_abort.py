@@ -126,6 +126,7 @@ UNITS = {
     "fused-scaled": ([(3,), (4,)], {"prescale": 0.5, "postscale": 3.0}),
     "fused-average": ([(3,), (4,)], {"reduce_op": ReduceOp.AVERAGE}),
     "postscaled": ([(5,)], {"postscale": 3.0}),
+    "adasum": ([(4,), (3,)], {"reduce_op": ReduceOp.ADASUM}),
 }
 
 
