@@ -115,6 +115,8 @@ class NCCLCommunicator(Communicator):
         self._threads: set[int] = set()
         self._in_unit = False
         self._p2p_connected = False
+        self.native_average = False
+        """Whether Average uses ``ncclAvg`` where NCCL has it (BAGUAHVD_NCCL_AVERAGE)."""
         # The engine's stop error, asked while polling: a stopped engine aborts the wait.
         self.stopped: Callable[[], BaseException | None] | None = None
 
@@ -187,7 +189,10 @@ class NCCLCommunicator(Communicator):
             raise ValueError(f"The NCCL backend cannot reduce with {op.name} directly.") from None
 
     def reduces_average(self, dtype: torch.dtype) -> bool:
-        # ncclAvg (NCCL >= 2.10) for the floating types NCCL reduces itself.
+        # ncclAvg (NCCL >= 2.10) for the floating types NCCL reduces itself, when asked for
+        # (BAGUAHVD_NCCL_AVERAGE): it does not round as Horovod's scaled sum does.
+        if not self.native_average:
+            return False
         self._load()
         return (
             dtype.is_floating_point and dtype in self._dtypes and ReduceOp.AVERAGE in self._ops

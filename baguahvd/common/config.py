@@ -191,6 +191,11 @@ class Config:
     """Seconds one GPU collective may take before its NCCL communicator is aborted and
     ``NCCLTimeoutError`` raised (BAGUAHVD_NCCL_TIMEOUT_SECONDS; torch's NCCL default). Also
     the deadline of creating a communicator (unique id, init and first connection setup)."""
+    nccl_average: bool = False
+    """Average allreduces and reducescatters of floating CUDA tensors use NCCL's own average
+    (``ncclAvg``, NCCL 2.10 and later; BAGUAHVD_NCCL_AVERAGE): one pass less, but NCCL
+    scales each input by ``1/size`` in the tensor's precision before summing, so results
+    differ from Horovod's (a sum scaled in float64) in the last bits. Off by default."""
     nccl_single_rank: bool = False
     """A job of one rank sends CUDA tensors through a one-rank NCCL communicator instead of
     the identity fast path (BAGUAHVD_NCCL_SINGLE_RANK): for smoke-testing the GPU path on
@@ -309,6 +314,7 @@ class Config:
                 env, "NCCL_TIMEOUT_SECONDS", cls.nccl_timeout_s, horovod_alias=False, minimum=1
             ),
             nccl_single_rank=_as_bool(env, "NCCL_SINGLE_RANK", horovod_alias=False),
+            nccl_average=_as_bool(env, "NCCL_AVERAGE", horovod_alias=False),
             thread_affinity=affinity,
             algorithm=_lookup(env, "ALGORITHM", horovod_alias=False),
             bucket_bytes=_as_count(env, "BUCKET_SIZE", cls.bucket_bytes, minimum=1),

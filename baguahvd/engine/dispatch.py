@@ -99,6 +99,7 @@ class Dispatcher:
             abandoned once there is one.
         single_rank_nccl: single-member sets send CUDA tensors through a one-rank NCCL
             communicator instead of copying them (BAGUAHVD_NCCL_SINGLE_RANK).
+        nccl_average: Average uses ``ncclAvg`` where NCCL has it (BAGUAHVD_NCCL_AVERAGE).
     """
 
     def __init__(
@@ -113,9 +114,11 @@ class Dispatcher:
         device_timeout_s: float = nccl.DEFAULT_TIMEOUT_S,
         stopped: Callable[[], BaseException | None] | None = None,
         single_rank_nccl: bool = False,
+        nccl_average: bool = False,
     ) -> None:
         self.rank = rank
         self.single_rank_nccl = single_rank_nccl
+        self.nccl_average = nccl_average
         self.process_sets = process_sets
         self.queue = queue
         self.timeline = timeline
@@ -260,6 +263,7 @@ class Dispatcher:
         if state.device_comm is None:
             device_comm = nccl.single_rank_communicator(self.device_timeout_s)
             device_comm.stopped = self.stopped
+            device_comm.native_average = self.nccl_average
             state.device_comm = device_comm
         return True
 
@@ -277,6 +281,7 @@ class Dispatcher:
             if isinstance(state.device_comm, nccl.NCCLCommunicator):
                 state.device_comm.timeout_s = self.device_timeout_s
                 state.device_comm.stopped = self.stopped
+                state.device_comm.native_average = self.nccl_average
         return state.device_comm
 
     def execute(self, unit: list[Entry], comm: Communicator, run: _Run | None = None) -> None:

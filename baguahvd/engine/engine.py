@@ -129,7 +129,7 @@ class Engine:
         self._dispatch = Dispatcher(
             self.rank, self.process_sets, self._queue, self.timeline, device_comms,
             self.register_process_set, self._remove_process_set, config.nccl_timeout_s,
-            self._stop_error, config.nccl_single_rank,
+            self._stop_error, config.nccl_single_rank, config.nccl_average,
         )
         self._executing: list[Request] = []
         self.cycles = 0

@@ -1,9 +1,10 @@
-"""Average allreduces and reducescatters of CUDA tensors through ``ncclAvg``, against a fake
-CuPy.
+"""Average allreduces and reducescatters of CUDA tensors, against a fake CuPy.
 
-From NCCL 2.10 on, an Average allreduce of floating tensors without a postscale is one
-``allReduce`` with NCCL's average op and no scaling pass; with an older NCCL, a postscale or
-an integer dtype it stays a Sum followed by a scaling pass. The fake NCCL moves no data and
+By default an Average is a Sum followed by one scaling pass in float64, Horovod's numbers.
+With ``ncclAvg`` asked for (BAGUAHVD_NCCL_AVERAGE) and NCCL 2.10 or later, an Average
+allreduce of floating tensors without a postscale is one ``allReduce`` with NCCL's average
+op and no scaling pass; with an older NCCL, a postscale or an integer dtype it stays a Sum
+followed by a scaling pass. The fake NCCL moves no data and
 averages as if the other rank had sent zeros, so both ways give this rank's values over the
 communicator's size.
 """
@@ -13,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from baguahvd.backends import cuda_support
 from baguahvd.backends import nccl as backend
@@ -47,33 +48,37 @@ def _install(monkeypatch: pytest.MonkeyPatch, version: int, avg: bool = True) ->
     return fake
 
 
-def _bound(fake: FakeCupy) -> backend.NCCLCommunicator:
-    """Rank 0 of a two-rank communicator whose NCCL communicator exists, log cleared."""
+def _bound(fake: FakeCupy, native_average: bool = True) -> backend.NCCLCommunicator:
+    """Rank 0 of a two-rank communicator whose NCCL communicator exists, log cleared; with
+    ``ncclAvg`` asked for unless ``native_average`` is False."""
     comm = backend.NCCLCommunicator(fake_mpi.members(2)[0])
+    comm.native_average = native_average
     comm.broadcast(torch.zeros(1), 0)
     fake.log.clear()
     return comm
 
 
-class _Ops(TorchDispatchMode):
-    """Records the names of the torch operations run inside it."""
+class _Ops:
+    """Records the scaling passes run inside it (:func:`execute.scale_` by a factor other
+    than one)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
+        self.factors: list[float] = []
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        self.names.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
-
-    def scaling(self) -> list[str]:
-        return [name for name in self.names if name.startswith(("mul", "div"))]
+    def scaling(self) -> list[float]:
+        return [factor for factor in self.factors if factor != 1.0]
 
 
 @contextmanager
 def _recording() -> Iterator[_Ops]:
-    with _Ops() as ops:
+    ops = _Ops()
+    original = execute.scale_
+
+    def counting(tensor: torch.Tensor, factor: float) -> None:
+        ops.factors.append(factor)
+        original(tensor, factor)
+
+    with mock.patch.object(execute, "scale_", counting):
         yield ops
 
 
@@ -173,12 +178,29 @@ def test_only_floating_types_nccl_reduces_are_averaged_natively(
 ) -> None:
     comm = backend.NCCLCommunicator(fake_mpi.members(2)[0])
     _install(monkeypatch, NEW)
+    # Not unless asked for: ncclAvg does not round as Horovod does.
+    assert not comm.reduces_average(torch.float32)
+    comm.native_average = True
     assert comm.reduces_average(torch.float16) and comm.reduces_average(torch.bfloat16)
     assert not comm.reduces_average(torch.int32)
     assert not comm.reduces_average(torch.complex64)
     old = backend.NCCLCommunicator(fake_mpi.members(2)[0])
+    old.native_average = True
     _install(monkeypatch, OLD)
     assert not old.reduces_average(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_by_default_average_is_a_sum_scaled_in_float64(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    fake = _install(monkeypatch, NEW)
+    tensors = [torch.tensor([3.0, -1.5, 0.25], dtype=dtype), torch.tensor([8.0], dtype=dtype)]
+    outputs, ops = _allreduce(_bound(fake, native_average=False), tensors)
+    assert _ops_issued(fake) == [SUM]
+    assert ops.scaling() == [0.5]
+    for out, tensor in zip(outputs, tensors):
+        assert torch.equal(out, (tensor.double() * 0.5).to(dtype))
 
 
 def _reducescatter(
