@@ -188,7 +188,7 @@ class Dispatcher:
         ordered = getattr(comm, "ordered", None)
         buffers = pool.take()
         if ordered is None:
-            self.execute(unit, comm, _Run(buffers))
+            self._execute_host_staged(unit, comm, _Run(buffers))
             pool.give_back(buffers)
             return
         marks = [request.mark for _, request in unit
@@ -239,10 +239,41 @@ class Dispatcher:
                 )
             else:
                 self.execute([(response, request)], comm, self._thread_run())
+                if request.inputs and cuda_support.is_cuda(request.inputs[0]):
+                    # The identity path queued its copies on the submitter's stream: the
+                    # handle's wait returns once they are done, whatever stream reads next.
+                    device = cuda_support.tensor_device(request.inputs[0])
+                    request.handle.device_done = cuda_support.record_event(
+                        device, cuda_support.current_stream_ptr(device)
+                    )
         except Exception as exc:  # noqa: BLE001 - reported through the handle
             logger.exception("%s failed", response.name)
             cause = exc.error if isinstance(exc, CollectiveFailure) else exc
             self.finish(request, error=named_error(cause, response.name))
+
+    def _execute_host_staged(self, unit: list[Entry], comm: Communicator, run: _Run) -> None:
+        """A device unit on a communicator without stream order of its own (gloo carrying
+        CUDA tensors through host memory, HOROVOD_GPU_OPERATIONS=GLOO): it starts once the
+        submitters' producers have finished, and its handles complete once its own device
+        copies have, so that any stream may read the results."""
+        for _, request in unit:
+            if request is not None and request.mark is not None:
+                request.mark.ready.synchronize()
+        complete: list[Callable[[], None]] = []
+        run.complete, run.produced = complete, []
+        self.execute(unit, comm, run)
+        if run.rest is not None:
+            run.rest()
+        device = next(
+            (request.mark.device for _, request in unit
+             if request is not None and request.mark is not None), None,
+        )
+        if device is not None:
+            cuda_support.record_event(
+                device, cuda_support.current_stream_ptr(device)
+            ).synchronize()
+        for call in complete:
+            call()
 
     def _thread_run(self) -> _Run:
         """The calling user thread's :class:`_Run` for single-member collectives that run

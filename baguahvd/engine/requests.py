@@ -21,7 +21,9 @@ class Handle:
     training step.
     """
 
-    __slots__ = ("_pending", "name", "result", "error", "extra", "_keepalive", "on_wait")
+    __slots__ = (
+        "_pending", "name", "result", "error", "extra", "_keepalive", "on_wait", "device_done"
+    )
 
     def __init__(self, name: str, keepalive: Sequence[torch.Tensor]) -> None:
         self._pending = threading.Lock()
@@ -34,6 +36,10 @@ class Handle:
         self.on_wait: Callable[[], None] | None = None
         """Called when a thread is about to block in :meth:`wait`: the engine then knows
         that a burst of submissions is over and starts its cycle at once."""
+        self.device_done: Any = None
+        """A CUDA event after the device work that produces the results, where that work
+        was queued on the submitter's stream (a single-member set's CUDA tensors):
+        :meth:`wait` returns once it has fired, so any stream may read the results."""
 
     def done(self) -> bool:
         """Whether the collective has finished (successfully or not). Never blocks."""
@@ -48,6 +54,8 @@ class Handle:
             self._pending.release()
         if self.error is not None:
             raise self.error
+        if self.device_done is not None:
+            self.device_done.synchronize()
         return self.result
 
     def complete(self, result: list[torch.Tensor] | None, extra: Any = None) -> None:

@@ -1,0 +1,88 @@
+"""Device units that have no stream of their own, under the stream model: gloo carrying CUDA
+tensors through host memory (HOROVOD_GPU_OPERATIONS=GLOO) and a single-member set's identity
+path. Both queue their work on the engine's or the submitter's current stream; the results
+must still be ready for any stream, and the host, once the handle's wait returns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baguahvd.backends.base import SelfCommunicator
+from baguahvd.engine.dispatch import Dispatcher
+from baguahvd.engine.intake import RequestQueue
+from baguahvd.engine.messages import OpType, RequestMeta, Response
+from baguahvd.engine.process_sets import ProcessSetState
+from baguahvd.engine.requests import Request
+from tests.fakes.stream_model import StreamModel
+from tests.unit.test_stream_model import CUDA, GPU, SEEDS, on_thread
+
+pytestmark = pytest.mark.stream_model
+
+
+@pytest.fixture(params=SEEDS)
+def model(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> StreamModel:
+    model = StreamModel(device=GPU, seed=request.param)
+    model.install(monkeypatch)
+    model.main_thread()
+    return model
+
+
+class _HostStaged(SelfCommunicator):
+    """A two-member communicator that moves CUDA tensors with plain torch copies on the
+    calling thread's current stream, as gloo does with host memory; no ``ordered``."""
+
+    rank, size = 0, 2
+
+    def allreduce(self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: object) -> None:
+        tensor_out.copy_(tensor_in.clone())
+
+
+def _request(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> Request:
+    meta = RequestMeta(
+        key="allreduce.t", name="allreduce.t", op=OpType.ALLREDUCE, process_set_id=0, rank=0,
+        dtype="float32", shapes=tuple(tuple(t.shape) for t in inputs), device="GPU",
+    )
+    return Request(meta, inputs, outputs)
+
+
+def _response(shapes: tuple[tuple[int, ...], ...]) -> Response:
+    return Response(key="allreduce.t", name="allreduce.t", op=OpType.ALLREDUCE,
+                    process_set_id=0, dtype="float32", shapes=shapes, device="GPU")
+
+
+def test_a_host_staged_unit_waits_for_the_producer_and_for_its_own_copies(
+    model: StreamModel,
+) -> None:
+    comm = _HostStaged()
+    state = ProcessSetState(0, (0, 1), comm=comm)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(
+        0, {0: state}, RequestQueue(0), None, lambda c: c, lambda ranks: 0, lambda i: None
+    )
+    side = model.stream("side")
+    with model.active(), model.use(side):
+        inputs = [torch.ones(4, device=CUDA).mul_(3)]
+        outputs = [torch.empty(4, device=CUDA)]
+        request = _request(inputs, outputs)
+        dispatcher.mark(request)
+    on_thread(model, lambda: dispatcher.run_unit([(_response(((4,),)), request)]))
+    with model.active():
+        request.handle.wait()
+        model.host_read(outputs[0])
+        outputs[0].sum()  # on the default stream, not the producer's
+
+
+def test_a_single_member_sets_cuda_result_is_ready_after_the_wait(model: StreamModel) -> None:
+    state = ProcessSetState(0, (0,), comm=SelfCommunicator())  # type: ignore[arg-type]
+    dispatcher = Dispatcher(
+        0, {0: state}, RequestQueue(0), None, None, lambda ranks: 0, lambda i: None
+    )
+    side = model.stream("side")
+    with model.active(), model.use(side):
+        inputs = [torch.ones(4, device=CUDA).mul_(3)]
+        outputs = [torch.empty(4, device=CUDA)]
+        request = _request(inputs, outputs)
+        dispatcher.run_alone(request, state)
+    with model.active():
+        request.handle.wait()
+        model.host_read(outputs[0])
