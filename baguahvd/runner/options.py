@@ -131,6 +131,10 @@ def check_options(args: argparse.Namespace) -> None:
         _split("--binding-args", args.binding_args)
 
 
+_LOOPBACK = re.compile(r"lo\d*(:.*)?")
+"""Names of loopback interfaces (``lo``, ``lo0``, ``lo:1``)."""
+
+
 def _split(flag: str, text: str) -> list[str]:
     try:
         return shlex.split(text)
@@ -227,14 +231,17 @@ def mpirun_options(
     if args.tcp_flag:
         options += ["-mca", "pml", "ob1", "-mca", "btl", "tcp,self"]
     if args.nics:
-        nics = ",".join(args.nics)
-        options += ["-mca", "btl_tcp_if_include", nics]
-        if prrte:
+        options += ["-mca", "btl_tcp_if_include", ",".join(args.nics)]
+        # Open MPI's out-of-band channel refuses loopback interfaces ("No network interfaces
+        # were found for out-of-band communications"): it keeps its own choice unless a
+        # named interface is not one.
+        oob = [nic for nic in args.nics if not _LOOPBACK.fullmatch(nic)]
+        if oob and prrte:
             # PRRTE 5.0 crashes (SIGSEGV in mpirun) when prte_if_include lists several
             # interface names; its out-of-band channel needs only one.
-            options += ["--prtemca", "prte_if_include", args.nics[0]]
-        else:
-            options += ["-mca", "oob_tcp_if_include", nics]
+            options += ["--prtemca", "prte_if_include", oob[0]]
+        elif oob:
+            options += ["-mca", "oob_tcp_if_include", ",".join(oob)]
     if args.prefix_output_with_timestamp:
         options.append("--timestamp-output")
     timeout = start_timeout(args, env)

@@ -745,6 +745,21 @@ def test_network_interfaces() -> None:
     assert "oob_tcp_if_include" not in command
 
 
+@pytest.mark.parametrize("major", [4, 5])
+def test_loopback_stays_out_of_the_out_of_band_channel(major: int) -> None:
+    # Open MPI's out-of-band layer finds no usable interface in "lo" and refuses to start:
+    # the data plane takes loopback, the out-of-band channel its own choice.
+    command, env = build(["-np", "2", "--network-interface", "lo", "python"], open_mpi_major=major)
+    assert option(command, "btl_tcp_if_include") == "lo"
+    assert "oob_tcp_if_include" not in command and "prte_if_include" not in command
+    assert env["NCCL_SOCKET_IFNAME"] == "lo"
+    command, _ = build(
+        ["-np", "2", "--network-interfaces", "lo,eth0", "python"], open_mpi_major=major
+    )
+    name = "prte_if_include" if major == 5 else "oob_tcp_if_include"
+    assert option(command, name) == "eth0"
+
+
 def test_tcp_and_binding_args() -> None:
     command, env = build(["-np", "2", "--tcp", "--binding-args", "--bind-to core", "python"])
     assert env == {"NCCL_IB_DISABLE": "1"} and "NCCL_IB_DISABLE" in exported(command)
