@@ -78,14 +78,23 @@ def training_job(monkeypatch: pytest.MonkeyPatch, **config: Any) -> Iterator[Job
     monkeypatch.setattr(global_process_set, "ranks", [0, 1])
     monkeypatch.setattr(global_process_set, "_registry", runtime)
     peer_handles: list[Any] = []
+    last_of_name: dict[str, Any] = {}
     submit = engine.submit
 
     def mirrored(op: Any, label: str, ident: int, inputs: Any, outputs: Any,
                  *args: Any, **kwargs: Any) -> Any:
+        name = kwargs.get("name", args[0] if args else None)
+        if name in last_of_name:
+            # Rank 0 waited for its previous collective of this name before reusing the
+            # name; so does the peer running the same script.
+            last_of_name[name].wait()
         copies = [t.clone() for t in inputs]
-        peer_handles.append(peer.submit(
+        handle = peer.submit(
             op, label, ident, copies, None if outputs is None else copies, *args, **kwargs
-        ))
+        )
+        peer_handles.append(handle)
+        if name is not None:
+            last_of_name[name] = handle
         return submit(op, label, ident, inputs, outputs, *args, **kwargs)
 
     monkeypatch.setattr(engine, "submit", mirrored)

@@ -15,18 +15,19 @@ The defaults implement bucketed gradient communication: gradients are grouped in
 (:mod:`baguahvd.torch.algorithms.buckets`) in the same order on every rank, a bucket is launched
 as soon as all its gradients are ready and every earlier bucket has been launched, and one
 worker thread per optimizer runs the buckets' communication in launch order while backward
-continues. Gradient algorithms override :meth:`GradientAlgorithmImpl.communicate`, and
-those that communicate something other than the gradients also ``pack`` and ``unpack``.
+continues (for CUDA tensors on a stream of its own, see :class:`Worker`). Gradient
+algorithms override :meth:`GradientAlgorithmImpl.communicate`, and those that communicate
+something other than the gradients also ``pack`` and ``unpack``.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
-import functools
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -79,41 +80,96 @@ class Algorithm(abc.ABC):
         return f"{type(self).__name__}({fields})"
 
 
+Job = Callable[[], Sequence[torch.Tensor] | None]
+"""A worker's job; it returns the CUDA tensors it made on the worker's stream for the thread
+that waits for it (None when it made none)."""
+
+
+class SideStreams:
+    """The CUDA side of a background thread of an algorithm: before its first CUDA work the
+    thread selects the device (torch's and CuPy's), once, and never switches back (that
+    would make a CUDA context on another GPU); its work runs on a communication stream of
+    its own, one per device, made by the first thread that needs it."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, int] = {}
+        self._selected = threading.local()
+
+    def stream(self, device: torch.device) -> int:
+        """The handle of the stream for ``device``, called on the thread that will use it."""
+        if getattr(self._selected, "device", None) is None:
+            cuda_support.set_torch_device(device)
+            cuda_support.set_cupy_device(device)
+            self._selected.device = device
+        ptr = self._streams.get(device)
+        if ptr is None:
+            ptr = self._streams[device] = cuda_support.new_stream(device)
+        return ptr
+
+    @contextlib.contextmanager
+    def on(self, device: torch.device | None) -> Iterator[int | None]:
+        """Makes the stream for ``device`` this thread's current torch stream (nothing for
+        ``None``, host tensors) and yields its handle."""
+        if device is None:
+            yield None
+            return
+        ptr = self.stream(device)
+        with cuda_support.on_stream(device, ptr):
+            yield ptr
+
+
 class Worker:
     """Runs an algorithm's jobs one after another on a thread of its own.
 
     The collectives the jobs submit carry the algorithm's timeline activity. Errors are kept
     and re-raised by :meth:`wait`, in the thread that waits.
+
+    CUDA: a job submitted with a CUDA tensor runs on the worker's communication stream
+    (:class:`SideStreams`), after an event recorded on the submitting thread's current
+    stream when it was submitted; kernels the submitter queues afterwards (the rest of the
+    backward pass) run beside it. An event recorded on the worker's stream after each job
+    orders the waiting thread's current stream after the results (:meth:`wait`).
     """
 
     def __init__(self, algorithm: Algorithm) -> None:
         self._activity = algorithm.activity
-        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[Job, cuda_support.StreamMark | None] | None] = (
+            queue.Queue()
+        )
         self._pending = 0
         self._idle = threading.Condition()
         self._error: BaseException | None = None
+        self._side = SideStreams()
+        # Written by the worker thread under ``_idle``: the event after the last CUDA job
+        # on each device, and the tensors jobs made for the waiting thread.
+        self._done: dict[torch.device, Any] = {}
+        self._made: list[tuple[torch.device, torch.Tensor]] = []
         self._thread = threading.Thread(
             target=self._loop, name=f"baguahvd-{algorithm.name}", daemon=True
         )
         self._thread.start()
 
-    def submit(self, job: Callable[[], None], tensor: torch.Tensor | None = None) -> None:
+    def submit(self, job: Job, tensor: torch.Tensor | None = None) -> None:
         """Queues ``job``. ``tensor`` is one the job communicates, which the submitting thread
-        has just written: when it is a CUDA tensor, the job runs with the submitting thread's
-        current stream as its own, so that its collectives wait for those writes whichever
-        stream the training thread uses."""
-        if tensor is not None and cuda_support.is_cuda(tensor):
-            device = cuda_support.tensor_device(tensor)
-            stream = cuda_support.current_stream_ptr(device)
-            job = functools.partial(_on_stream, device, stream, job)
+        has just written: when it is a CUDA tensor, the job runs on the worker's stream
+        after the submitting thread's current stream as it stands now."""
+        mark = cuda_support.mark_submission([tensor]) if tensor is not None else None
         with self._idle:
             self._pending += 1
-        self._jobs.put(job)
+        self._jobs.put((job, mark))
 
     def wait(self) -> None:
+        """Waits until every submitted job has run; then the calling thread's current stream
+        is ordered after the jobs' CUDA work. Raises the first job's error."""
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
             error, self._error = self._error, None
+            done, self._done = self._done, {}
+            made, self._made = self._made, []
+        for device, event in done.items():
+            cuda_support.wait_event(device, cuda_support.current_stream_ptr(device), event)
+        for device, tensor in made:
+            cuda_support.record_stream(tensor, device, cuda_support.current_stream_ptr(device))
         if error is not None:
             raise error
 
@@ -128,13 +184,14 @@ class Worker:
 
     def _run_jobs(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
+            item = self._jobs.get()
+            if item is None:
                 return
+            job, mark = item
             try:
                 if self._error is None:
                     with torch.no_grad():
-                        job()
+                        self._run(job, mark)
             except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
                 self._error = exc
             finally:
@@ -142,10 +199,22 @@ class Worker:
                     self._pending -= 1
                     self._idle.notify_all()
 
-
-def _on_stream(device: torch.device, stream: int, job: Callable[[], None]) -> None:
-    with cuda_support.on_stream(device, stream):
-        job()
+    def _run(self, job: Job, mark: cuda_support.StreamMark | None) -> None:
+        if mark is None:
+            job()
+            return
+        device = mark.device
+        with self._side.on(device) as ptr:
+            assert ptr is not None
+            cuda_support.wait_event(device, ptr, mark.ready)
+            made: Sequence[torch.Tensor] | None = None
+            try:
+                made = job()
+            finally:
+                done = cuda_support.record_event(device, ptr)
+                with self._idle:
+                    self._done[device] = done
+                    self._made.extend((device, tensor) for tensor in made or ())
 
 
 class AlgorithmImpl:
