@@ -573,16 +573,13 @@ class NCCLCommunicator(Communicator):
         if handle is None:
             return
         if self._stream is not None and self._device is not None:
-            # Any thread may free it (async averaging's from the user's): CuPy's device
-            # for the event, for the call only.
-            with self._cupy.cuda.Device(self._device.index):
+            with self._cupy.cuda.Device(self._device.index):  # whichever thread frees it
                 drained = self._cupy.cuda.Event(disable_timing=True)
                 drained.record(self._stream)
                 try:
                     self._wait(drained, "the last collectives before freeing", self._device)
                 except NCCLError:
-                    # _wait aborted the communicator (and dropped the handle).
-                    return
+                    return  # _wait aborted the communicator (and dropped the handle)
         self._handle = None
         handle.destroy()
 

@@ -1,4 +1,5 @@
-"""Async model averaging: warmup, background averaging, abort/resume.
+"""Async model averaging: warmup, background averaging, abort/resume; on the CPU, and on
+GPUs where the node has one per rank (skipped otherwise).
 
 The toy problem pulls rank r's weights towards its own target ``r * OFFSET``; trained
 alone, the ranks end one OFFSET apart, while averaging keeps them close together.
@@ -8,9 +9,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 import baguahvd.torch as hvd
+from baguahvd.backends.mpi import MPICommunicator
+from baguahvd.backends.nccl import NCCLCommunicator
+from baguahvd.runtime import runtime
 from baguahvd.torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
 from baguahvd.torch.algorithms.optimizer import make_algorithm_optimizer
 
@@ -20,16 +25,16 @@ LR = 0.02
 
 
 class _Vector(torch.nn.Module):
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, device: torch.device | None = None) -> None:
         super().__init__()
         # Rank-dependent start: the switch to the async phase broadcasts rank 0's.
-        self.w = torch.nn.Parameter(torch.full((DIM,), 0.1 * rank))
+        self.w = torch.nn.Parameter(torch.full((DIM,), 0.1 * rank, device=device))
 
 
-def _setup(rank: int, warmup_steps: int) -> tuple[
+def _setup(rank: int, warmup_steps: int, device: torch.device | None = None) -> tuple[
     _Vector, torch.optim.Optimizer, AsyncModelAverageAlgorithm
 ]:
-    model = _Vector(rank)
+    model = _Vector(rank, device)
     algorithm = AsyncModelAverageAlgorithm(sync_interval_ms=20, warmup_steps=warmup_steps)
     optimizer = make_algorithm_optimizer(
         torch.optim.SGD(model.parameters(), lr=LR), model.named_parameters(), algorithm
@@ -39,7 +44,7 @@ def _setup(rank: int, warmup_steps: int) -> tuple[
 
 def _step(model: _Vector, optimizer: torch.optim.Optimizer, rank: int) -> None:
     optimizer.zero_grad()
-    target = torch.full((DIM,), rank * OFFSET)
+    target = torch.full((DIM,), rank * OFFSET, device=model.w.device)
     (0.5 * (model.w - target).pow(2).sum()).backward()
     optimizer.step()
 
@@ -60,8 +65,29 @@ def _gathered(model: _Vector, name: str) -> torch.Tensor:
     return hvd.allgather(model.w.detach().clone()[None], name=name)
 
 
+def _gpu() -> torch.device:
+    """This rank's GPU (local_rank), as Horovod's scripts pin it; skips without one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not hvd.nccl_built():
+        pytest.skip("needs CuPy with NCCL (pip install baguahvd[cuda12])")
+    if torch.cuda.device_count() < hvd.local_size():
+        pytest.skip(f"needs {hvd.local_size()} GPUs on this node")
+    torch.cuda.set_device(hvd.local_rank())
+    return torch.device("cuda", hvd.local_rank())
+
+
 def test_warmup_averages_gradients_then_async_pulls_models_together(rank: int, size: int):
-    model, optimizer, algorithm = _setup(rank, warmup_steps=5)
+    _warmup_then_async(rank, size, None)
+
+
+@pytest.mark.cuda
+def test_cuda_weights_are_averaged_over_nccl(rank: int, size: int):
+    _warmup_then_async(rank, size, _gpu())
+
+
+def _warmup_then_async(rank: int, size: int, device: torch.device | None) -> None:
+    model, optimizer, algorithm = _setup(rank, warmup_steps=5, device=device)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     impl = optimizer._impl
     for _ in range(5):
@@ -86,7 +112,29 @@ def test_warmup_averages_gradients_then_async_pulls_models_together(rank: int, s
     assert spread < 0.3 * OFFSET, spread
     averaged = hvd.allreduce(model.w.detach(), op=hvd.Average, name="async.average")
     assert averaged.min() > -0.25 * OFFSET and averaged.max() < (size - 1 + 0.25) * OFFSET
+    if device is not None:
+        assert isinstance(impl._device_comm, NCCLCommunicator)
+        assert impl._device_comm.device == device  # made by the averaging thread
     optimizer.close()
+
+
+def test_a_private_device_communicator_is_nccl_over_the_private_communicator(
+    rank: int, size: int
+):
+    # What the averaging thread of CUDA weights runs on. Lazy: nothing needs a GPU yet.
+    comm = runtime.new_communicator()
+    assert comm is not None
+    device_comm = runtime.new_device_communicator(comm)
+    try:
+        if isinstance(comm, MPICommunicator):
+            assert isinstance(device_comm, NCCLCommunicator)
+            assert device_comm.comm is comm.comm and device_comm.device is None
+            assert (device_comm.rank, device_comm.size) == (rank, size)
+        else:
+            # CPU collectives on gloo: gloo moves CUDA tensors itself.
+            assert device_comm is comm
+    finally:
+        comm.free()
 
 
 def test_repeated_abort_and_resume(rank: int, size: int):

@@ -1,6 +1,6 @@
 """The torch layer's own GPU code under the stream model: SyncBatchNorm, ByteGrad's
-compressed exchange and async model averaging with CUDA tensors (one rank; the collectives
-are replaced by what one rank of two would receive)."""
+compressed exchange and the device check of async model averaging with CUDA tensors (one
+rank; the collectives are replaced by what one rank of two would receive)."""
 
 from __future__ import annotations
 
@@ -79,11 +79,12 @@ def test_bytegrad_exchanges_compressed_chunks_from_the_gpu(
     assert exchanged == [GPU, GPU]
 
 
-def test_async_model_averaging_refuses_cuda_parameters_when_constructed(
+def test_async_model_averaging_refuses_a_model_split_between_host_and_gpu(
     model: StreamModel
 ) -> None:
     with model.active():
         weight = torch.ones(4, device=CUDA)
-    context = types.SimpleNamespace(parameters=[("fc.weight", weight)])
-    with pytest.raises(ValueError, match=r"CUDA tensors.*fc\.weight"):
+        bias = model.mark_host(torch.ones(4))
+    context = types.SimpleNamespace(parameters=[("fc.weight", weight), ("fc.bias", bias)])
+    with pytest.raises(ValueError, match=r"fc\.weight on cuda:1, fc\.bias on the host"):
         AsyncModelAverageAlgorithm().reify(context)  # type: ignore[arg-type]

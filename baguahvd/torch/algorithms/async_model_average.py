@@ -35,6 +35,17 @@ update ``w_new = w_now + (mean_j s_j - s_i)``; the correction only becomes visib
 forward pass at the next step boundary, so forward and backward of one iteration always
 see the same weights (Bagua instead locks the model from forward start to backward end).
 
+CUDA parameters (all on one GPU) are averaged as in Bagua, over an NCCL communicator and a
+stream of the algorithm's own: the NCCL communicator is made over the private duplicated
+communicator (at the thread's first round, collectively), the thread selects the
+parameters' GPU once and runs its copies and corrections on its own stream, and the abort
+vote stays on the host. The lock orders the host's side; events order the streams: whoever
+takes the lock (the training thread in ``step()``, the thread in a round) first makes its
+current stream wait for the event the other recorded when it last released the lock, and
+records its own before releasing it. So a snapshot is read after the optimizer step that
+wrote the weights, and the optimizer step and the fold of ``c`` run after the round that
+last read the weights or wrote ``c``.
+
 Like Bagua, call :meth:`abort` on every rank before evaluating or saving (it waits until
 every rank has aborted and leaves the averaged corrections in the weights) and
 :meth:`resume` before training again. ``hvd.shutdown()`` and interpreter exit stop the
@@ -44,12 +55,13 @@ optimizer (loading a checkpoint, broadcasting) only while aborted.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,6 +76,7 @@ from baguahvd.torch.algorithms.base import (
     AlgorithmContext,
     AlgorithmImpl,
     GradientAlgorithmImpl,
+    SideStreams,
     bucket_name,
     check_int,
     check_positive,
@@ -73,6 +86,7 @@ from baguahvd.torch.algorithms.primitives import KERNEL_DTYPES
 from baguahvd.torch.mpi_ops import Average, allreduce_async_, broadcast_async_, synchronize
 
 if TYPE_CHECKING:
+    from baguahvd.backends.base import Communicator
     from baguahvd.backends.mpi import MPICommunicator, PendingRequest
 
 logger = logging.getLogger("baguahvd")
@@ -120,14 +134,18 @@ class AsyncModelAverageAlgorithm(Algorithm):
         self.warmup_steps = warmup_steps
 
     def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
+        devices = {
+            name: cuda_support.tensor_device(p) if cuda_support.is_cuda(p) else None
+            for name, p in context.parameters
+        }
+        if len(set(devices.values())) > 1:
+            where = ", ".join(f"{name} on {device or 'the host'}" for name, device in
+                              devices.items())
+            raise ValueError(
+                "async model averaging averages one model that lives on one device (the "
+                f"host or one GPU), but the parameters are spread: {where}."
+            )
         for name, p in context.parameters:
-            if cuda_support.is_cuda(p):
-                raise ValueError(
-                    "async model averaging exchanges the weights over MPI from host memory "
-                    f"and does not take CUDA tensors yet; parameter {name} is on {p.device}. "
-                    "Use gradient_allreduce, bytegrad or decentralized on GPUs, or keep this "
-                    "model on the CPU."
-                )
             if not p.is_floating_point():
                 raise ValueError(
                     f"async model averaging averages floating-point weights; parameter "
@@ -195,6 +213,19 @@ class AsyncModelAverageImpl(GradientAlgorithmImpl):
         self._state = _State.NEW
         self._comm: MPICommunicator | None = None
         self._control: MPICommunicator | None = None
+        first = context.parameters[0][1] if context.parameters else None
+        self._device = (
+            cuda_support.tensor_device(first)
+            if first is not None and cuda_support.is_cuda(first) else None
+        )
+        """The parameters' GPU; None for host parameters."""
+        self._device_comm: Communicator | None = None
+        """CUDA: the averaging rounds' communicator (NCCL in an MPI job)."""
+        self._side = SideStreams()
+        # CUDA: the events each side recorded on its stream when it last released the lock
+        # (see the module docstring).
+        self._training_done: Any = None
+        self._loop_done: Any = None
         self._thread: threading.Thread | None = None
         self._aborted = threading.Event()
         self._wake = threading.Event()
@@ -236,9 +267,8 @@ class AsyncModelAverageImpl(GradientAlgorithmImpl):
         self._raise_loop_error()
         if not self.in_warmup and self._state is _State.NEW:
             self._switch()
-        with self._lock:
+        with self._training_writes():
             result = optimizer_step(closure)
-            self._fold_pending()
         return result
 
     # -- control -------------------------------------------------------------------------
@@ -268,6 +298,8 @@ class AsyncModelAverageImpl(GradientAlgorithmImpl):
         if self._state is not _State.STOPPED:
             return
         self._barrier("resume")
+        with self._training_writes():
+            pass  # the weights may have been changed while stopped (a checkpoint loaded)
         self._start_loop()
 
     def close(self) -> None:
@@ -282,10 +314,12 @@ class AsyncModelAverageImpl(GradientAlgorithmImpl):
         self._state = _State.CLOSED
         super().close()
         if clean:
+            if self._device_comm is not None and self._device_comm is not self._comm:
+                self._device_comm.free()
             for comm in (self._comm, self._control):
                 if comm is not None:
                     comm.free()
-        self._comm = self._control = None
+        self._comm = self._control = self._device_comm = None
 
     # -- internals -----------------------------------------------------------------------
 
@@ -300,8 +334,11 @@ class AsyncModelAverageImpl(GradientAlgorithmImpl):
         ]
         for handle in handles:
             synchronize(handle)
+        self._training_done = self._record()
         self._comm = runtime.new_communicator(ranks)
         self._control = runtime.new_communicator(ranks)
+        if self._device is not None and self._comm is not None:
+            self._device_comm = runtime.new_device_communicator(self._comm)
         self._start_loop()
 
     def _start_loop(self) -> None:
@@ -344,8 +381,8 @@ class AsyncModelAverageImpl(GradientAlgorithmImpl):
             thread.join(1.0)
         self._thread = None
         self._state = _State.STOPPED
-        with self._lock:
-            self._fold_pending()
+        with self._training_writes():
+            pass  # leaves the corrections received so far in the weights
         return clean
 
     def _barrier(self, what: str) -> None:
@@ -361,6 +398,30 @@ class AsyncModelAverageImpl(GradientAlgorithmImpl):
                     "async model averaging: waited %.0f s for every rank to call %s()",
                     warned - started, what,
                 )
+
+    @contextlib.contextmanager
+    def _training_writes(self) -> Iterator[None]:
+        """The training thread writes the weights in the block (the optimizer step), then
+        folds the pending corrections into them: under the lock, and on CUDA ordered
+        after the round that last used them, and the next round after this."""
+        with self._lock:
+            self._wait_for(self._loop_done)
+            yield
+            self._fold_pending()
+            self._training_done = self._record()
+
+    def _record(self) -> Any:
+        """CUDA: an event recorded on this thread's current stream; None on the host."""
+        if self._device is None:
+            return None
+        stream = cuda_support.current_stream_ptr(self._device)
+        return cuda_support.record_event(self._device, stream)
+
+    def _wait_for(self, event: Any) -> None:
+        """CUDA: this thread's current stream waits for ``event`` (from :meth:`_record`)."""
+        if event is not None and self._device is not None:
+            stream = cuda_support.current_stream_ptr(self._device)
+            cuda_support.wait_event(self._device, stream, event)
 
     def _fold_pending(self) -> None:
         """w += c (the lock is held)."""
@@ -384,7 +445,13 @@ class AsyncModelAverageImpl(GradientAlgorithmImpl):
         # This thread talks to CUDA while the training thread may capture a CUDA graph.
         cuda_support.relax_capture_mode()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self._side.on(self._device) as stream:
+                if stream is not None:
+                    assert self._device is not None
+                    # Allocated on the training thread's stream, used on this one.
+                    for buffer in (*self._sums, *self._pending,
+                                   *(b.flat for b in self._weights)):
+                        cuda_support.record_stream(buffer, self._device, stream)
                 while self._round():
                     self.rounds += 1
                     # Set by abort(): no more pauses, so that the final vote comes soon.
@@ -404,17 +471,26 @@ class AsyncModelAverageImpl(GradientAlgorithmImpl):
         if int(vote.item()) > 0:
             return False
         with self._lock:
+            self._wait_for(self._training_done)
             snapshots = [
                 b.gather_weights().add_(c) for b, c in zip(self._weights, self._pending)
             ]
+            self._loop_done = self._record()
         for snapshot, total in zip(snapshots, self._sums):
-            self._wait(comm.iallreduce(snapshot, total, ReduceOp.SUM))
+            if self._device_comm is not None:
+                # Every rank voted to go on, so every rank takes part: no giving up here
+                # (the NCCL timeout still applies).
+                self._device_comm.allreduce(snapshot, total, ReduceOp.SUM)
+            else:
+                self._wait(comm.iallreduce(snapshot, total, ReduceOp.SUM))
         with self._lock:
+            self._wait_for(self._training_done)
             for pending, total, snapshot in zip(self._pending, self._sums, snapshots):
                 if pending.dtype in KERNEL_DTYPES:
                     async_model_average_(pending, total, snapshot, comm.size)
                 else:
                     pending.add_(total / comm.size - snapshot)
+            self._loop_done = self._record()
             self._has_pending = True
         return True
 
