@@ -297,6 +297,13 @@ def _add_library_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="timestamp each output line of the ranks (mpirun --timestamp-output)",
     )
+    logs.add_argument(
+        "--no-tag-output",
+        action="store_false",
+        dest="tag_output",
+        help="print the ranks' lines as they are, without horovodrun's [1,<rank>]<stdout>: "
+        "prefix (under --gloo: [<rank>]<stdout>:)",
+    )
 
     controller = parser.add_argument_group("controller").add_mutually_exclusive_group()
     controller.add_argument(

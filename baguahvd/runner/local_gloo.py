@@ -5,8 +5,11 @@ machine with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZ
 GROUP_RANK, MASTER_ADDR, MASTER_PORT) and the rank variables ``horovodrun --gloo`` sets
 (HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE, HOROVOD_CROSS_RANK,
 HOROVOD_CROSS_SIZE), and rank 0's ``hvd.init()`` hosts the job's TCP store on that port (the
-launcher never imports torch). Each rank writes to the launcher's own
-stdout and stderr, unprefixed.
+launcher never imports torch). Each line a rank writes reaches the launcher's stdout or
+stderr whole, prefixed with the rank and the stream as ``horovodrun --gloo`` prefixes it
+(``[<rank>]<stdout>:``, and a timestamp before it with ``--prefix-output-with-timestamp``),
+so that two ranks' lines never run together; ``--no-tag-output`` passes the ranks' output
+through untouched.
 
 The children run in sessions of their own, so a signal meant for the job reaches them once:
 SIGINT, SIGTERM and SIGHUP sent to the launcher are passed on to every rank. Once a rank
@@ -24,9 +27,12 @@ import argparse
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import BinaryIO
 
 from baguahvd.runner.hosts import Host, LaunchError, is_local
 from baguahvd.runner.mpirun import rank_environment
@@ -111,9 +117,17 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def run_ranks(command: Sequence[str], environments: Sequence[Mapping[str, str]]) -> int:
-    """Starts one process per environment and waits for all; returns the worst status."""
+def run_ranks(
+    command: Sequence[str],
+    environments: Sequence[Mapping[str, str]],
+    tag_output: bool = True,
+    timestamp: bool = False,
+) -> int:
+    """Starts one process per environment and waits for all; returns the worst status.
+    With ``tag_output``, every line the ranks write is prefixed (see the module docstring)."""
     children: list[subprocess.Popen[bytes]] = []
+    copiers: list[threading.Thread] = []
+    lock = threading.Lock()
 
     def forward(signum: int, frame: FrameType | None) -> None:
         for child in children:
@@ -121,12 +135,31 @@ def run_ranks(command: Sequence[str], environments: Sequence[Mapping[str, str]])
                 child.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    pipe = subprocess.PIPE if tag_output else None
     try:
-        for environment in environments:
-            children.append(
-                subprocess.Popen(list(command), env=dict(environment), start_new_session=True)
+        for rank, environment in enumerate(environments):
+            child = subprocess.Popen(
+                list(command), env=dict(environment), start_new_session=True,
+                stdout=pipe, stderr=pipe,
             )
-        return _wait(children)
+            children.append(child)
+            if tag_output:
+                assert child.stdout is not None and child.stderr is not None
+                for source, target, name in (
+                    (child.stdout, sys.stdout.buffer, "stdout"),
+                    (child.stderr, sys.stderr.buffer, "stderr"),
+                ):
+                    copier = threading.Thread(
+                        target=copy_lines,
+                        args=(source, target, f"[{rank}]<{name}>:".encode(), lock, timestamp),
+                        daemon=True,
+                    )
+                    copier.start()
+                    copiers.append(copier)
+        status = _wait(children)
+        for copier in copiers:
+            copier.join()
+        return status
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -134,6 +167,22 @@ def run_ranks(command: Sequence[str], environments: Sequence[Mapping[str, str]])
             if child.poll() is None:
                 child.kill()
                 child.wait()
+
+
+def copy_lines(
+    source: BinaryIO, target: BinaryIO, prefix: bytes, lock: threading.Lock,
+    timestamp: bool = False,
+) -> None:
+    """Copies ``source`` to ``target`` line by line, each line prefixed and written whole
+    (a last line without its newline gets one), until ``source`` ends."""
+    for line in iter(source.readline, b""):
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        stamp = time.strftime("[%a %b %d %H:%M:%S %Y]").encode() if timestamp else b""
+        with lock:
+            target.write(stamp + prefix + line)
+            target.flush()
+    source.close()
 
 
 def _wait(children: Sequence[subprocess.Popen[bytes]]) -> int:
@@ -166,4 +215,7 @@ def launch(args: argparse.Namespace, env: Mapping[str, str], hosts: Sequence[Hos
         LaunchError: some host is not this machine.
     """
     check_local(hosts)
-    return run_ranks(args.command, rank_environments(args, env, num_proc, free_port()))
+    return run_ranks(
+        args.command, rank_environments(args, env, num_proc, free_port()),
+        tag_output=args.tag_output, timestamp=args.prefix_output_with_timestamp,
+    )

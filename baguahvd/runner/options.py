@@ -242,6 +242,9 @@ def mpirun_options(
             options += ["--prtemca", "prte_if_include", oob[0]]
         elif oob:
             options += ["-mca", "oob_tcp_if_include", ",".join(oob)]
+    if args.tag_output:
+        # Each line prefixed with its rank and stream, as horovodrun's: [1,<rank>]<stdout>:
+        options.append("--tag-output")
     if args.prefix_output_with_timestamp:
         options.append("--timestamp-output")
     timeout = start_timeout(args, env)

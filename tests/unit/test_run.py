@@ -83,12 +83,21 @@ def test_defaults() -> None:
         "none",
         "--map-by",
         "slot",
+        "--tag-output",
         "python",
         "train.py",
         "--lr",
         "0.1",
     ]
     assert env == {}
+
+
+def test_output_is_tagged_with_the_rank_unless_told_otherwise() -> None:
+    # horovodrun's habit: every line of a rank starts with [1,<rank>]<stdout>: (Open MPI).
+    command, _ = build(["-np", "2", "python", "train.py"])
+    assert "--tag-output" in command
+    command, _ = build(["-np", "2", "--no-tag-output", "python", "train.py"])
+    assert "--tag-output" not in command
 
 
 def test_hosts_flag() -> None:
@@ -893,7 +902,8 @@ def test_config_file_controller_gloo_launches_with_gloo(
     path = write_config(tmp_path, "controller: gloo\n")
     started: list[list[dict[str, str]]] = []
     monkeypatch.setattr(
-        local_gloo, "run_ranks", lambda command, envs: started.append(list(envs)) or 0
+        local_gloo, "run_ranks",
+        lambda command, envs, **options: started.append(list(envs)) or 0,
     )
     assert cli.main(["-np", "1", "--config-file", path, "python"]) == 0
     assert [env["RANK"] for env in started[0]] == ["0"]

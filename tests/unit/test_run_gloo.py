@@ -3,6 +3,7 @@ a real launch of small commands (no torch needed)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -74,3 +75,34 @@ def test_a_failed_rank_ends_the_others_after_the_grace(monkeypatch: pytest.Monke
     started = time.monotonic()
     assert local_gloo.run_ranks([sys.executable, "-c", script], envs) == 128 + signal.SIGTERM
     assert time.monotonic() - started < 20
+
+
+def test_each_ranks_lines_arrive_whole_and_tagged(capfd: pytest.CaptureFixture[str]) -> None:
+    # Two ranks writing halves of lines at once: every line arrives whole, tagged with its
+    # rank and stream as horovodrun --gloo tags it; a last line without newline gets one.
+    script = (
+        "import os, sys, time\n"
+        "rank = os.environ['RANK']\n"
+        "for i in range(20):\n"
+        "    sys.stdout.write(f'rank {rank} '); sys.stdout.flush(); time.sleep(0.001)\n"
+        "    sys.stdout.write(f'line {i}\\n'); sys.stdout.flush()\n"
+        "sys.stderr.write(f'last {rank}')\n"
+    )
+    environments = [dict(os.environ, RANK=str(rank)) for rank in range(2)]
+    status = local_gloo.run_ranks([sys.executable, "-c", script], environments)
+    out, err = capfd.readouterr()
+    assert status == 0
+    lines = out.splitlines()
+    for rank in range(2):
+        mine = [line for line in lines if line.startswith(f"[{rank}]<stdout>:")]
+        assert mine == [f"[{rank}]<stdout>:rank {rank} line {i}" for i in range(20)]
+    assert len(lines) == 40
+    assert sorted(err.splitlines()) == ["[0]<stderr>:last 0", "[1]<stderr>:last 1"]
+
+
+def test_untagged_output_passes_through(capfd: pytest.CaptureFixture[str]) -> None:
+    environments = [dict(os.environ, RANK=str(rank)) for rank in range(2)]
+    status = local_gloo.run_ranks(
+        [sys.executable, "-c", "print('plain')"], environments, tag_output=False
+    )
+    assert status == 0 and capfd.readouterr().out.splitlines() == ["plain", "plain"]
