@@ -117,9 +117,10 @@ def parse_args(
             args.config_notes = apply_config(args, read_config(args.config_file))
         except LaunchError as error:
             parser.error(str(error))
+    args.as_horovod_from_env = False
     if not args.as_horovod:
         try:
-            args.as_horovod = env_flag("AS_HOROVOD")
+            args.as_horovod = args.as_horovod_from_env = env_flag("AS_HOROVOD")
         except ValueError as error:
             parser.error(str(error))
     return args
@@ -137,7 +138,12 @@ def _print_notes(
 
 
 def _warn_if_shadowing(args: argparse.Namespace) -> None:
+    """One note per job that an installed Horovod is hidden from the ranks, where the user
+    may not know it: ``--as-horovod`` came from the environment rather than the command
+    line, or ``--verbose`` asks for every detail."""
     if not args.as_horovod:
+        return
+    if not (args.as_horovod_from_env or args.verbose):
         return
     try:
         spec = importlib.util.find_spec("horovod")
@@ -147,8 +153,8 @@ def _warn_if_shadowing(args: argparse.Namespace) -> None:
         return
     if not os.path.abspath(spec.origin).startswith(shim_path() + os.sep):
         print(
-            f"baguahvdrun: warning: --as-horovod hides the Horovod installed at "
-            f"{os.path.dirname(spec.origin)} from the ranks",
+            f"baguahvdrun: note: BAGUAHVD_AS_HOROVOD/--as-horovod hides the Horovod "
+            f"installed at {os.path.dirname(spec.origin)} from the ranks",
             file=sys.stderr,
         )
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -946,3 +947,32 @@ def test_bad_config_files(
 def test_missing_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["-np", "1", "--config-file", str(tmp_path / "no.yaml"), "python"]) == 2
     assert "cannot read --config-file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "noted"),
+    [
+        (["--as-horovod"], {}, False),  # asked for on the command line: no news
+        (["--as-horovod", "--verbose"], {}, True),
+        ([], {"BAGUAHVD_AS_HOROVOD": "1"}, True),  # set somewhere else: worth a note
+        ([], {}, False),
+    ],
+)
+def test_the_shims_note_only_when_it_matters(
+    argv: list[str], env: dict[str, str], noted: bool,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+) -> None:
+    installed = tmp_path / "site-packages" / "horovod" / "__init__.py"
+    monkeypatch.setattr(
+        cli.importlib.util, "find_spec",
+        lambda name: SimpleNamespace(origin=str(installed)) if name == "horovod" else None,
+    )
+    for name in ("BAGUAHVD_AS_HOROVOD", "HOROVOD_AS_HOROVOD"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = cli.parse_args(["-np", "2", *argv, "python", "train.py"])
+    cli._warn_if_shadowing(args)
+    err = capsys.readouterr().err
+    assert ("hides the Horovod installed at" in err) == noted
+    assert err.count("\n") == (1 if noted else 0)
