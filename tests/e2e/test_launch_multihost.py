@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import jobs
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "emulated_cluster.sh"
 PREFIX = "lt"
@@ -105,7 +107,9 @@ def test_baguahvdrun_across_three_hosts(cluster: str) -> None:
                             timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    lines = sorted(
+        line for line in jobs.untagged(result.stdout).splitlines() if line.startswith("rank ")
+    )
     assert lines == [f"rank {i} of {HOSTS} on {PREFIX}{i} sum 6" for i in range(HOSTS)], output
     assert "btl_tcp_if_include eth0" in result.stderr  # the --verbose command line
 
@@ -171,7 +175,9 @@ def test_an_elastic_job_loses_a_host_and_finishes(cluster: str, tmp_path: Path) 
     assert result.returncode == 0, output
     assert "launch 1 on lt0:1,lt1:1,lt2:1 (3 ranks)" in result.stderr, output
     assert "relaunching on the new hosts" in result.stderr, output
-    done = sorted(line for line in result.stdout.splitlines() if line.startswith("DONE"))
+    done = sorted(
+        line for line in jobs.untagged(result.stdout).splitlines() if line.startswith("DONE")
+    )
     assert done == [
         f"DONE rank {i} of 2 on {PREFIX}{i} step 12 same=True" for i in range(2)
     ], output

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -39,6 +40,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PARALLEL_WORKER_ENV = "BAGUAHVD_TEST_WORKER"
 """Set in the ranks that run ``tests/parallel``; ``tests/conftest.py`` collects those bodies
 only there."""
+
+_TAG = re.compile(r"^\[\d+(?:,\d+)?\]<(?:stdout|stderr)>: ?", re.MULTILINE)
+
+
+def untagged(output: str) -> str:
+    """``output`` of ``baguahvdrun`` without the rank tags at the start of its lines
+    (``[1,0]<stdout>:`` under mpirun, ``[0]<stdout>:`` under --gloo)."""
+    return _TAG.sub("", output)
+
 
 LAUNCHER = ("-m", "baguahvd.run")
 """How a job starts ``baguahvdrun`` (``python -m`` keeps the job on this interpreter)."""
