@@ -113,6 +113,8 @@ def broadcast_optimizer_state(
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    # Before the state-creating step, which a stateless optimizer would take for nothing.
+    runtime.require_engine()
     state = optimizer.state_dict()
     if not state["state"]:
         if initialize_state:
