@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
+from baguahvd.backends import cuda_support
 from tests.fakes.cupy_spec import check_call, parameters, signature
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -393,3 +394,17 @@ def _module(name: str, **attributes: Any) -> types.ModuleType:
     for key, value in attributes.items():
         setattr(module, key, value)
     return module
+
+
+def installed(
+    monkeypatch: pytest.MonkeyPatch, device: Any, stream: int = 0x7070, **options: Any
+) -> FakeCupy:
+    """A :class:`FakeCupy` (``options``) installed for the NCCL backend on CPU tensors that
+    stand for CUDA tensors of ``device``: torch's current stream has handle ``stream`` and
+    selecting torch's device does nothing."""
+    fake = FakeCupy(**options)
+    fake.install(monkeypatch)
+    monkeypatch.setattr(cuda_support, "tensor_device", lambda tensor: device)
+    monkeypatch.setattr(cuda_support, "current_stream_ptr", lambda ptr_device: stream)
+    monkeypatch.setattr(cuda_support, "set_torch_device", lambda torch_device: None)
+    return fake

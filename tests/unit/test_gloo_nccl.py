@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from baguahvd.backends import cuda_support, gloo
+from baguahvd.backends import gloo
 from baguahvd.backends import nccl as backend
 from baguahvd.backends.gloo import GlooCommunicator, StoreIdChannel
 from baguahvd.common.config import Config
 from baguahvd.common.ops import ReduceOp
-from tests.fakes.fake_cupy import FakeCupy
+from tests.fakes.fake_cupy import FakeCupy, installed
 
 pytestmark = pytest.mark.bookkeeping
 
@@ -31,12 +31,7 @@ def _member(store: object, rank: int, size: int) -> GlooCommunicator:
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeCupy:
-    cupy = FakeCupy()
-    cupy.install(monkeypatch)
-    monkeypatch.setattr(cuda_support, "tensor_device", lambda tensor: DEVICE)
-    monkeypatch.setattr(cuda_support, "current_stream_ptr", lambda device: 0x7070)
-    monkeypatch.setattr(cuda_support, "set_torch_device", lambda device: None)
-    return cupy
+    return installed(monkeypatch, DEVICE)
 
 
 def test_a_gloo_sets_device_communicator_is_nccl() -> None:

@@ -27,7 +27,7 @@ from baguahvd.engine import execute
 from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.requests import Request
 from tests.fakes import fake_mpi
-from tests.fakes.fake_cupy import NCCL_OPS, NCCL_STREAM_BASE, NCCL_TYPES, FakeCupy
+from tests.fakes.fake_cupy import NCCL_OPS, NCCL_STREAM_BASE, NCCL_TYPES, FakeCupy, installed
 
 pytestmark = pytest.mark.bookkeeping
 
@@ -38,12 +38,7 @@ DEVICE = torch.device("cuda", 0)
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeCupy:
-    cupy = FakeCupy()
-    cupy.install(monkeypatch)
-    monkeypatch.setattr(cuda_support, "tensor_device", lambda tensor: DEVICE)
-    monkeypatch.setattr(cuda_support, "current_stream_ptr", lambda device: TORCH_STREAM)
-    monkeypatch.setattr(cuda_support, "set_torch_device", lambda device: None)
-    return cupy
+    return installed(monkeypatch, DEVICE, TORCH_STREAM)
 
 
 def _comm(size: int = 1, rank: int = 0, **kwargs: float) -> backend.NCCLCommunicator:

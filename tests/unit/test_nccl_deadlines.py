@@ -11,12 +11,12 @@ import threading
 import pytest
 import torch
 
-from baguahvd.backends import cuda_support, nccl_setup
 from baguahvd.backends import nccl as backend
+from baguahvd.backends import nccl_setup
 from baguahvd.backends.base import SelfCommunicator
 from baguahvd.engine import execute
 from tests.fakes import fake_mpi
-from tests.fakes.fake_cupy import FakeCupy
+from tests.fakes.fake_cupy import FakeCupy, installed
 
 pytestmark = pytest.mark.bookkeeping
 
@@ -25,11 +25,7 @@ DEVICE = torch.device("cuda", 0)
 
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeCupy:
-    cupy = FakeCupy()
-    cupy.install(monkeypatch)
-    monkeypatch.setattr(cuda_support, "tensor_device", lambda tensor: DEVICE)
-    monkeypatch.setattr(cuda_support, "current_stream_ptr", lambda device: 0x7070)
-    monkeypatch.setattr(cuda_support, "set_torch_device", lambda device: None)
+    cupy = installed(monkeypatch, DEVICE)
     yield cupy
     for gate in cupy.blocked.values():  # lets helper threads left behind finish
         gate.set()
