@@ -225,6 +225,18 @@ def record_event(device: torch.device, ptr: int) -> Any:
     return event
 
 
+def current_stream_done(device: torch.device) -> Any:
+    """An event recorded now on this thread's current stream of ``device``, for the host to
+    ``synchronize()`` on later: CuPy's where CuPy is installed, else torch's (a job of one
+    rank reduces CUDA tensors without CuPy)."""
+    try:
+        return record_event(device, current_stream_ptr(device))
+    except NCCLUnavailableError:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+
 def wait_event(device: torch.device, ptr: int, event: Any) -> None:
     """Makes the stream of handle ``ptr`` on ``device`` wait for ``event`` (from
     :func:`record_event` or a :class:`StreamMark`); the host does not wait."""

@@ -242,9 +242,8 @@ class Dispatcher:
                 if request.inputs and cuda_support.is_cuda(request.inputs[0]):
                     # The identity path queued its copies on the submitter's stream: the
                     # handle's wait returns once they are done, whatever stream reads next.
-                    device = cuda_support.tensor_device(request.inputs[0])
-                    request.handle.device_done = cuda_support.record_event(
-                        device, cuda_support.current_stream_ptr(device)
+                    request.handle.device_done = cuda_support.current_stream_done(
+                        cuda_support.tensor_device(request.inputs[0])
                     )
         except Exception as exc:  # noqa: BLE001 - reported through the handle
             logger.exception("%s failed", response.name)
@@ -269,9 +268,7 @@ class Dispatcher:
              if request is not None and request.mark is not None), None,
         )
         if device is not None:
-            cuda_support.record_event(
-                device, cuda_support.current_stream_ptr(device)
-            ).synchronize()
+            cuda_support.current_stream_done(device).synchronize()
         for call in complete:
             call()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from baguahvd.backends import cuda_support
 from baguahvd.backends.base import SelfCommunicator
 from baguahvd.engine.dispatch import Dispatcher
 from baguahvd.engine.intake import RequestQueue
@@ -86,3 +87,25 @@ def test_a_single_member_sets_cuda_result_is_ready_after_the_wait(model: StreamM
     with model.active():
         request.handle.wait()
         model.host_read(outputs[0])
+
+
+def test_without_cupy_a_single_member_set_waits_on_a_torch_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A job of one rank needs no CuPy for CUDA tensors: the result's event is torch's then.
+    recorded: list[object] = []
+
+    class TorchEvent:
+        def record(self, stream: object) -> None:
+            recorded.append(stream)
+
+    def no_cupy() -> None:
+        raise cuda_support.NCCLUnavailableError("CuPy is not installed")
+
+    monkeypatch.setattr(cuda_support, "import_cupy", no_cupy)
+    monkeypatch.setattr(cuda_support, "current_stream_ptr", lambda device: 0x70)
+    monkeypatch.setattr(torch.cuda, "Event", TorchEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: ("stream", device))
+    event = cuda_support.current_stream_done(torch.device("cuda", 0))
+    assert isinstance(event, TorchEvent)
+    assert recorded == [("stream", torch.device("cuda", 0))]
