@@ -21,16 +21,14 @@ from baguahvd.engine.engine import Engine
 from baguahvd.runtime import global_process_set, runtime
 from baguahvd.torch.algorithms.base import Worker
 from tests.fakes import fake_mpi
-from tests.fakes.stream_model import HOST, StreamModel
+from tests.fakes.stream_model import HOST, StreamModel, installed_model
 from tests.fakes.world import Job, start_job
 
 
 def engine_model(monkeypatch: pytest.MonkeyPatch, device: int) -> StreamModel:
     """A stream model installed for the NCCL backend, whose engine and algorithm worker
     threads run on it too."""
-    model = StreamModel(device=device, seed=0)
-    model.install(monkeypatch)
-    model.main_thread()
+    model = installed_model(monkeypatch, device)
     original = Engine._run
 
     def run(engine: Engine) -> None:

@@ -588,3 +588,37 @@ class _Mode(TorchDispatchMode):
         if name == "_local_scalar_dense" and model.device_of(read[0]) != HOST:
             model.synchronize_stream(stream)
         return result
+
+
+def installed_model(
+    monkeypatch: pytest.MonkeyPatch, device: int, seed: int = 0
+) -> StreamModel:
+    """A :class:`StreamModel` installed for the test, its main thread on ``device`` (what a
+    training script's ``torch.cuda.set_device`` does)."""
+    model = StreamModel(device=device, seed=seed)
+    model.install(monkeypatch)
+    model.main_thread()
+    return model
+
+
+def on_thread(
+    model: StreamModel, body: Callable[[], object], grad_enabled: bool = True
+) -> None:
+    """Runs ``body`` on a new thread on the model (as the engine thread does, which turns
+    grad mode off unless ``grad_enabled``), re-raising its error on the caller's thread."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        torch.set_grad_enabled(grad_enabled)
+        try:
+            with model.active():
+                body()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the thread did not finish within 30 s"
+    if errors:
+        raise errors[0]

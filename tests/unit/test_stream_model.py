@@ -10,7 +10,6 @@ event, a wrong device or a result completed too early raises :class:`StreamViola
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,7 +23,14 @@ from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
 from tests.fakes import fake_mpi
-from tests.fakes.stream_model import HOST, ModelEvent, StreamModel, StreamViolation
+from tests.fakes.stream_model import (
+    HOST,
+    ModelEvent,
+    StreamModel,
+    StreamViolation,
+    installed_model,
+    on_thread,
+)
 
 pytestmark = pytest.mark.stream_model
 
@@ -36,28 +42,8 @@ SEEDS = [0, 1, 2]
 
 @pytest.fixture(params=SEEDS)
 def model(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> StreamModel:
-    model = StreamModel(device=GPU, seed=request.param)
-    model.install(monkeypatch)
-    model.main_thread()
-    return model
+    return installed_model(monkeypatch, GPU, request.param)
 
-
-def on_thread(model: StreamModel, body: Callable[[], object]) -> None:
-    """Runs ``body`` on a new thread (as the engine thread does), re-raising its error."""
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            with model.active():
-                body()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
-            errors.append(exc)
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join(30)
-    if errors:
-        raise errors[0]
 
 
 # ---------------------------------------------------------------------------------------

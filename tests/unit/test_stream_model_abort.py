@@ -25,7 +25,7 @@ from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
 from tests.fakes import fake_mpi
-from tests.fakes.stream_model import StreamModel
+from tests.fakes.stream_model import StreamModel, installed_model, on_thread
 
 pytestmark = pytest.mark.stream_model
 
@@ -36,10 +36,7 @@ SENTINEL = -1.0
 
 @pytest.fixture(params=[0, 1, 2])
 def model(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> StreamModel:
-    model = StreamModel(device=GPU, seed=request.param)
-    model.install(monkeypatch)
-    model.main_thread()
-    return model
+    return installed_model(monkeypatch, GPU, request.param)
 
 
 @pytest.fixture
@@ -56,25 +53,6 @@ def held(model: StreamModel, monkeypatch: pytest.MonkeyPatch) -> Iterator[thread
     yield release
     release.set()
 
-
-def on_thread(model: StreamModel, body: Callable[[], object]) -> None:
-    """Runs ``body`` on a new thread on the model (as the engine thread does)."""
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        torch.set_grad_enabled(False)
-        try:
-            with model.active():
-                body()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
-            errors.append(exc)
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join(30)
-    assert not thread.is_alive()
-    if errors:
-        raise errors[0]
 
 
 class Rank:
@@ -150,7 +128,7 @@ def test_an_asynchronous_nccl_error_leaves_the_outputs_untouched(
                 rank.dispatcher.pending.poll()
         failures.append(info.value)
 
-    on_thread(model, engine)
+    on_thread(model, engine, grad_enabled=False)
     (failure,) = failures
     assert isinstance(failure.error, backend.NCCLError)
     assert model.fake.communicators[-1].aborted
@@ -175,7 +153,7 @@ def test_an_error_reported_after_the_communication_finished_still_stops_the_copy
         with pytest.raises(CollectiveFailure):
             rank.dispatcher.pending.poll()
 
-    on_thread(model, engine)
+    on_thread(model, engine, grad_enabled=False)
     assert model.fake.communicators[-1].aborted
     assert untouched(request)
 
@@ -197,7 +175,7 @@ def test_a_unit_abandoned_when_the_engine_stops_leaves_the_outputs_untouched(
         with pytest.raises(CollectiveFailure, match="rank 1 is gone"):
             rank.dispatcher.pending.poll()
 
-    on_thread(model, engine)
+    on_thread(model, engine, grad_enabled=False)
     assert model.fake.communicators[-1].aborted
     assert untouched(request)
 
@@ -212,7 +190,7 @@ def test_the_copy_out_follows_the_communication_on_its_stream(model: StreamModel
             rank.dispatcher.run_unit(unit)
         rank.dispatcher.pending.drain()
 
-    on_thread(model, engine)
+    on_thread(model, engine, grad_enabled=False)
     with model.active(), model.use(user):
         for request, _ in units:
             results = request.handle.wait() or request.outputs or []

@@ -8,9 +8,6 @@ not be handed out again while a stream may still use it.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-
 import pytest
 import torch
 
@@ -22,7 +19,7 @@ from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
 from tests.fakes import fake_mpi
-from tests.fakes.stream_model import StreamModel
+from tests.fakes.stream_model import StreamModel, installed_model, on_thread
 
 pytestmark = pytest.mark.stream_model
 
@@ -32,29 +29,8 @@ CUDA = f"cuda:{GPU}"
 
 @pytest.fixture(params=[0, 1, 2])
 def model(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> StreamModel:
-    model = StreamModel(device=GPU, seed=request.param)
-    model.install(monkeypatch)
-    model.main_thread()
-    return model
+    return installed_model(monkeypatch, GPU, request.param)
 
-
-def on_thread(model: StreamModel, body: Callable[[], object]) -> None:
-    """Runs ``body`` on a new thread on the model (as the engine thread does)."""
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            with model.active():
-                body()
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
-            errors.append(exc)
-
-    thread = threading.Thread(target=target)
-    thread.start()
-    thread.join(30)
-    assert not thread.is_alive()
-    if errors:
-        raise errors[0]
 
 
 class TwoSets:

@@ -15,18 +15,15 @@ from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
-from tests.fakes.stream_model import StreamModel
-from tests.unit.test_stream_model import CUDA, GPU, SEEDS, on_thread
+from tests.fakes.stream_model import StreamModel, installed_model, on_thread
+from tests.unit.test_stream_model import CUDA, GPU, SEEDS
 
 pytestmark = pytest.mark.stream_model
 
 
 @pytest.fixture(params=SEEDS)
 def model(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> StreamModel:
-    model = StreamModel(device=GPU, seed=request.param)
-    model.install(monkeypatch)
-    model.main_thread()
-    return model
+    return installed_model(monkeypatch, GPU, request.param)
 
 
 class _HostStaged(SelfCommunicator):

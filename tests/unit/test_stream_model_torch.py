@@ -12,7 +12,7 @@ import torch
 from baguahvd.torch import sync_batch_norm
 from baguahvd.torch.algorithms import primitives
 from baguahvd.torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
-from tests.fakes.stream_model import StreamModel
+from tests.fakes.stream_model import StreamModel, installed_model
 
 pytestmark = pytest.mark.stream_model
 
@@ -22,10 +22,7 @@ CUDA = f"cuda:{GPU}"
 
 @pytest.fixture(params=[0, 1])
 def model(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> StreamModel:
-    model = StreamModel(device=GPU, seed=request.param)
-    model.install(monkeypatch)
-    model.main_thread()
-    return model
+    return installed_model(monkeypatch, GPU, request.param)
 
 
 @pytest.mark.parametrize("batch", [4, 0], ids=["batch", "empty-batch"])
