@@ -216,12 +216,12 @@ def new_stream(device: torch.device) -> int:
 
 
 def record_event(device: torch.device, ptr: int) -> Any:
-    """A CuPy event recorded on the stream of handle ``ptr`` on ``device``, whatever CuPy
-    device the calling thread has."""
+    """A CuPy event recorded on the stream of handle ``ptr`` on ``device``; the calling
+    thread keeps whatever CuPy device it had."""
     cupy = import_cupy()
     with cupy.cuda.Device(device.index):
         event = cupy.cuda.Event(disable_timing=True)
-        event.record(external_stream(cupy, ptr))
+        event.record(external_stream(cupy, ptr, device.index))
     return event
 
 
@@ -261,13 +261,8 @@ def mark_submission(tensors: Sequence[torch.Tensor]) -> StreamMark | None:
     if not tensors or not is_cuda(tensors[0]):
         return None
     device = tensor_device(tensors[0])
-    cupy = import_cupy()
-    # A context manager here: the user's thread keeps whatever CuPy device it had.
-    with cupy.cuda.Device(device.index):
-        consumer = current_stream_ptr(device)
-        ready = cupy.cuda.Event(disable_timing=True)
-        ready.record(external_stream(cupy, consumer, device.index))
-    return StreamMark(device, consumer, ready)
+    consumer = current_stream_ptr(device)
+    return StreamMark(device, consumer, record_event(device, consumer))
 
 
 def external_stream(cupy: Any, ptr: int, device_index: int = -1) -> Any:

@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -263,7 +264,8 @@ class NCCLCommunicator(Communicator):
     ) -> None:
         handle, stream = self._handle, self._stream.ptr
         cupy, index = self._cupy, device.index
-        outcome: list[BaseException | None] = []
+        # ``done`` once the call returned or raised ``error``: what _wait polls.
+        outcome = SimpleNamespace(done=False, error=None)
 
         def connect() -> None:
             cuda_support.relax_capture_mode()
@@ -271,20 +273,15 @@ class NCCLCommunicator(Communicator):
                 cupy.cuda.Device(index).use()
                 cuda_support.set_torch_device(device)
                 launch(handle, stream)
-                outcome.append(None)
             except BaseException as exc:  # noqa: BLE001 - handed to the engine thread
-                outcome.append(exc)
+                outcome.error = exc
+            outcome.done = True
 
         helper = threading.Thread(target=connect, name="baguahvd-nccl-connect", daemon=True)
         helper.start()
-        deadline = time.monotonic() + self.timeout_s
-        delay = _FIRST_POLL_S
-        while not outcome:
-            self._check_stuck(f"{what} (connecting its peers)", device, deadline)
-            time.sleep(delay)
-            delay = min(delay * 2, _LONGEST_POLL_S)
-        if outcome[0] is not None:
-            raise outcome[0]
+        self._wait(outcome, f"{what} (connecting its peers)", device)
+        if outcome.error is not None:
+            raise outcome.error
 
     @contextmanager
     def ordered(
@@ -366,8 +363,8 @@ class NCCLCommunicator(Communicator):
     def _wait(
         self, done: Any, what: str, device: torch.device, deadline: float | None = None
     ) -> None:
-        """Polls ``done`` between short sleeps (which leave the GIL to the training thread),
-        checking NCCL's asynchronous error state, until it fires or the deadline passes."""
+        """Polls ``done.done`` between short sleeps (which leave the GIL to the training thread),
+        checking NCCL's asynchronous error state, until it is true or the deadline passes."""
         if deadline is None:
             deadline = time.monotonic() + self.timeout_s
         delay = _FIRST_POLL_S
