@@ -376,9 +376,9 @@ class Runtime:
 
     def new_device_communicator(self, comm: Communicator) -> Communicator:
         """The device (GPU) communicator of ``comm``, a private communicator from
-        :meth:`new_communicator`, made as the engine makes its process sets' (NCCL over the
-        MPI communicator in an MPI job; in a gloo job ``comm`` itself, which moves CUDA
-        tensors through host memory), with the job's NCCL timeout.
+        :meth:`new_communicator`, made as the engine makes its process sets' (NCCL, its
+        unique id carried by the MPI communicator or by the gloo job's store; ``comm``
+        itself under HOROVOD_GPU_OPERATIONS=gloo), with the job's NCCL timeout.
 
         Nothing is communicated until its first collective, which creates the NCCL
         communicator and is collective over ``comm``'s members, on the calling thread; the

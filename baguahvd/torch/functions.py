@@ -152,9 +152,27 @@ def _take_initializing_step(
     optimizer: torch.optim.Optimizer, model: torch.nn.Module | None
 ) -> None:
     """Horovod's way of creating an optimizer's state: a zero gradient on every parameter
-    that requires one (replacing any gradient it had; sparse for ``SparseAdam``, and for
-    ``SGD`` on the weights of sparse embeddings of ``model``), then one step of the
-    optimizer's own class, which for a ``DistributedOptimizer`` skips its allreduces."""
+    that requires one (replacing any gradient it had; see :func:`_zero_grads`), then one
+    step of the optimizer's own class, which for a ``DistributedOptimizer`` skips its
+    allreduces."""
+    _zero_grads(optimizer, model, replace=True)
+    own_class = getattr(optimizer, "_wrapped_optimizer_class", type(optimizer))
+    own_class.step(optimizer)
+
+
+def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
+    """The gradients Horovod's state-creating step leaves behind, without the step
+    (``initialize_state=False``): a zero gradient where a parameter that requires one has
+    none."""
+    _zero_grads(optimizer, None, replace=False)
+
+
+def _zero_grads(
+    optimizer: torch.optim.Optimizer, model: torch.nn.Module | None, replace: bool
+) -> None:
+    """Zero gradients for the parameters that require one (only where they have none unless
+    ``replace``): sparse for ``SparseAdam``, which takes only those, and for ``SGD`` on the
+    weights of sparse embeddings of ``model``."""
     sparse_always = isinstance(optimizer, torch.optim.SparseAdam)
     sparse_weights: set[int] = set()
     if model is not None and isinstance(optimizer, torch.optim.SGD):
@@ -164,25 +182,9 @@ def _take_initializing_step(
         }
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.requires_grad:
+            if p.requires_grad and (replace or p.grad is None):
                 zeros = torch.zeros_like(p)
                 p.grad = zeros.to_sparse() if sparse_always or id(p) in sparse_weights else zeros
-    own_class = getattr(optimizer, "_wrapped_optimizer_class", type(optimizer))
-    own_class.step(optimizer)
-
-
-def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
-    """Gives every parameter that requires a gradient and has none a zero gradient, the
-    gradients Horovod's state-creating step leaves behind, without the step
-    (``initialize_state=False``). ``SparseAdam`` only takes sparse gradients, so it gets
-    sparse zeros.
-    """
-    sparse = isinstance(optimizer, torch.optim.SparseAdam)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad and p.grad is None:
-                zeros = torch.zeros_like(p)
-                p.grad = zeros.to_sparse() if sparse else zeros
 
 
 def _collect_placeholders(value: Any, found: list[_Placeholder]) -> None:
