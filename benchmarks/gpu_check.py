@@ -30,9 +30,10 @@ Parts (``*`` optional: they never change the exit status):
 7. ``kernels``: the CUDA kernels bit for bit against the torch oracle, and their bandwidth
    against a device-to-device copy;
 8. ``overlap_nccl``: the share of the communication the backward pass hides;
-9. ``two_ranks`` *, ``skipped_collective`` *, ``device_stall`` *: two ranks on the one GPU
-   (NCCL over sockets, a host id per rank), a collective one rank skips (StallError at its
-   deadline), a collective stuck on the device (NCCLTimeoutError at its deadline);
+9. ``two_ranks`` *, ``two_rank_algorithms`` *, ``skipped_collective`` *, ``device_stall`` *:
+   two ranks on the one GPU (NCCL over sockets, a host id per rank): collectives and every
+   Bagua algorithm across them, a collective one rank skips (StallError at its deadline), a
+   collective stuck on the device (NCCLTimeoutError at its deadline);
    ``one_rank_deadline`` *: the device deadline with one rank.
 
 Exit status: 0 when every required part passed (or, in a dry run, was skipped), 1 when one
@@ -152,6 +153,10 @@ PARTS: tuple[Part, ...] = (
     Part("two_ranks", "9", "two ranks on one GPU: collectives across them", "worker",
          _worker("gpu_check_ranks.py", "two_ranks"), ranks=2, required=False,
          env={**TWO_RANKS_ON_ONE_GPU, "NCCL_DEBUG": "INFO"}, timeout_s=90, nccl_ranks=2),
+    Part("two_rank_algorithms", "9", "two ranks on one GPU: every Bagua algorithm",
+         "worker", _worker("gpu_check_ranks.py", "two_rank_algorithms"), ranks=2,
+         required=False, env={**TWO_RANKS_ON_ONE_GPU, "NCCL_DEBUG": "INFO"}, timeout_s=120,
+         nccl_ranks=2),
     Part("skipped_collective", "9", "two ranks: one skips a collective (StallError)",
          "worker", _worker("gpu_check_ranks.py", "skipped_collective"), ranks=2,
          required=False,

@@ -9,14 +9,21 @@ NCCL_SHM_DISABLE=1 and NCCL_SOCKET_IFNAME=lo). Parts:
 
 * ``two_ranks``: allreduce (Sum, Average, grouped), allgather and broadcast of CUDA tensors
   across both ranks, against values computed from the rank;
+* ``two_rank_algorithms``: every Bagua algorithm trains on both ranks, each rank on data of
+  its own; the parameters must match the same algorithm's run on CPU tensors (gloo) of the
+  same two ranks (async model averaging, whose rounds depend on timing: finite losses);
 * ``skipped_collective``: rank 1 skips a collective rank 0 runs (and goes on to another);
   the engine's stall inspector must end both at HOROVOD_STALL_SHUTDOWN_TIME_SECONDS with
   ``StallError`` (a skipped collective is never agreed, so it never reaches NCCL);
 * ``device_stall``: both ranks submit the collective, but rank 1's input is still being
   produced on a stream held by ``torch.cuda._sleep`` well past BAGUAHVD_NCCL_TIMEOUT_SECONDS;
-  rank 0 waits inside NCCL and must get ``NCCLTimeoutError`` at the deadline;
+  rank 0 waits inside NCCL and must get ``NCCLTimeoutError`` at the deadline. Rank 1's
+  collective is stuck behind its producer: it times out too, or, when rank 0's report comes
+  first, gets ``PeerFailureError`` naming rank 0's ``NCCLTimeoutError`` (both end the job);
 * ``one_rank_deadline`` (one rank, BAGUAHVD_NCCL_SINGLE_RANK=1): the same held stream under
-  a one-rank NCCL communicator, which must time out the same way.
+  a one-rank NCCL communicator, which must time out the same way. A warm-up collective
+  creates the communicator first: creating it waits for the device, so a communicator
+  created behind the held stream would time out in ncclCommInitRank instead.
 """
 
 from __future__ import annotations
@@ -37,13 +44,23 @@ from gpu_check_common import (  # noqa: E402
     WorkerArgs,
     compare,
     describe,
+    finite,
     needs_cuda,
     require,
     run_worker,
     sleep_cycles_per_ms,
 )
+from gpu_check_engine import (  # noqa: E402
+    ALGORITHM_STEPS,
+    algorithm_optimizer,
+    batches,
+    mlp,
+    same_parameters,
+    train,
+)
 
 import baguahvd.torch as hvd  # noqa: E402
+from baguahvd.torch import algorithms  # noqa: E402
 
 SLACK_S = 15.0
 """How much later than its deadline a stalled collective may end and still pass (the
@@ -121,10 +138,45 @@ def two_ranks(rec: Recorder, args: WorkerArgs) -> None:
     rec.check("broadcast", broadcast)
 
 
+def two_rank_algorithms(rec: Recorder, args: WorkerArgs) -> None:
+    device, rank = args.device, hvd.rank()
+    if not rec.check("two_ranks", lambda: require(hvd.size() == 2, "this part needs two ranks")
+                     or f"rank {rank} of 2 on {device}"):
+        return
+    # Each rank its own inputs, so that what the ranks exchange matters.
+    data = [(inputs * (1 + rank), targets) for inputs, targets in
+            batches(torch.float32, ALGORITHM_STEPS)]
+    names = algorithms.known_algorithms()
+    rec.data["algorithms"] = names
+
+    def run(name: str, on: torch.device) -> tuple[torch.nn.Module, list[float]]:
+        model = mlp(torch.float32).to(on)
+        wrapped = algorithm_optimizer(name, model)
+        losses = train(model, wrapped, data, on)
+        impl = wrapped.algorithm_impl  # type: ignore[attr-defined]
+        if hasattr(impl, "abort"):  # async model averaging: stop its thread
+            impl.abort()
+        require(finite(losses), f"losses on {on}: {losses}")
+        return model, losses
+
+    for name in names:
+        def body(name: str = name) -> str:
+            model, losses = run(name, device)
+            shown = f"losses {[round(x, 5) for x in losses]}"
+            if name == "async" or device.type == "cpu":
+                return shown
+            cpu_model, _ = run(name, torch.device("cpu"))
+            return f"{shown}; parameters vs the CPU run: " + \
+                same_parameters(model, cpu_model, 1e-4)
+
+        rec.check(name, body)
+
+
 def _expect_error(rec: Recorder, name: str, call: Callable[[], object], expected: str,
-                  deadline_s: float, started: float) -> None:
+                  deadline_s: float, started: float, from_peer: bool = False) -> None:
     """Records the check ``name``: ``call()`` must raise ``expected`` (a class name) within
-    ``deadline_s`` + :data:`SLACK_S` of ``started``."""
+    ``deadline_s`` + :data:`SLACK_S` of ``started``; with ``from_peer``, a PeerFailureError
+    whose message names ``expected`` (a peer's report of it) passes too."""
 
     def body() -> str:
         try:
@@ -134,11 +186,14 @@ def _expect_error(rec: Recorder, name: str, call: Callable[[], object], expected
             rec.data[f"{name}.error"] = describe(exc)
             rec.data[f"{name}.seconds"] = round(took, 2)
             names = [cls.__name__ for cls in type(exc).__mro__]
-            require(expected in names,
+            reported = from_peer and "PeerFailureError" in names and expected in str(exc)
+            require(expected in names or reported,
                     f"ended after {took:.1f} s with {describe(exc)}, not {expected}")
             require(took <= deadline_s + SLACK_S,
                     f"{expected} came after {took:.1f} s; the deadline was {deadline_s:g} s")
-            return f"{type(exc).__name__} after {took:.1f} s (deadline {deadline_s:g} s)"
+            what = f"{type(exc).__name__} ({expected} on a peer)" if reported else \
+                type(exc).__name__
+            return f"{what} after {took:.1f} s (deadline {deadline_s:g} s)"
         took = time.monotonic() - started
         raise AssertionError(f"no error: the collective returned after {took:.1f} s "
                              f"({str(result)[:200]})")
@@ -169,9 +224,11 @@ def skipped_collective(rec: Recorder, args: WorkerArgs) -> None:
                   "StallError", deadline, started)
 
 
-def _held_stream_collective(rec: Recorder, args: WorkerArgs, hold: bool, check: str) -> None:
+def _held_stream_collective(rec: Recorder, args: WorkerArgs, hold: bool, check: str,
+                            from_peer: bool = False) -> None:
     """Submits an allreduce whose input is produced on a stream that ``torch.cuda._sleep``
-    holds for three times the NCCL timeout (when ``hold``); expects NCCLTimeoutError."""
+    holds for three times the NCCL timeout (when ``hold``); expects NCCLTimeoutError (or,
+    with ``from_peer``, a peer's report of one)."""
     device = args.device
     if device.type != "cuda":
         rec.check(check, lambda: needs_cuda(device))
@@ -188,16 +245,21 @@ def _held_stream_collective(rec: Recorder, args: WorkerArgs, hold: bool, check: 
             torch.cuda._sleep(int(3 * timeout * 1e3 * cycles))
         tensor.fill_(1.0)
         _expect_error(rec, check, lambda: hvd.allreduce(tensor, op=hvd.Sum, name="held"),
-                      "NCCLTimeoutError", timeout, started)
+                      "NCCLTimeoutError", timeout, started, from_peer=from_peer)
+
+
+def _warm_up(rec: Recorder, args: WorkerArgs) -> bool:
+    """A first collective, which creates the NCCL communicator before anything holds the
+    device."""
+    return rec.check("warm_up", lambda: compare(
+        hvd.allreduce(torch.ones(4, device=args.device), op=hvd.Sum, name="held.warm_up"),
+        torch.full((4,), float(hvd.size()))))
 
 
 def device_stall(rec: Recorder, args: WorkerArgs) -> None:
-    device = args.device
-    if not rec.check("warm_up", lambda: compare(
-            hvd.allreduce(torch.ones(4, device=device), op=hvd.Sum, name="held.warm_up"),
-            torch.full((4,), float(hvd.size())))):
-        return
-    _held_stream_collective(rec, args, hold=hvd.rank() == 1, check="held_collective")
+    if _warm_up(rec, args):
+        held = hvd.rank() == 1
+        _held_stream_collective(rec, args, hold=held, check="held_collective", from_peer=held)
 
 
 def one_rank_deadline(rec: Recorder, args: WorkerArgs) -> None:
@@ -207,12 +269,13 @@ def one_rank_deadline(rec: Recorder, args: WorkerArgs) -> None:
                 "needs BAGUAHVD_NCCL_SINGLE_RANK=1 (the check sets it)")
         return "one rank through a one-rank NCCL communicator"
 
-    if rec.check("setup", one_rank):
+    if rec.check("setup", one_rank) and _warm_up(rec, args):
         _held_stream_collective(rec, args, hold=True, check="held_collective")
 
 
 PARTS = {
     "two_ranks": two_ranks,
+    "two_rank_algorithms": two_rank_algorithms,
     "skipped_collective": skipped_collective,
     "device_stall": device_stall,
     "one_rank_deadline": one_rank_deadline,

@@ -55,6 +55,44 @@ BHVD_HD long long grid_blocks(long long work) {
   return clamp_ll(ceil_div(work, kThreads), 1, kMaxBlocks);
 }
 
+// Elements a thread of a grid-stride loop has in flight per round (unrolled_loop).
+constexpr int kUnroll = 4;
+
+// "#pragma unroll" for the device pass only (a host compiler warns of an unknown pragma).
+#if defined(__CUDA_ARCH__)
+#define BHVD_UNROLL _Pragma("unroll")
+#else
+#define BHVD_UNROLL
+#endif
+
+// The grid-stride loop over [first, n) with stride `stride`, kUnroll elements per round:
+// compute(i) runs for all of a round's elements before store(i, value) runs for any, so that
+// a thread's loads are issued together instead of each waiting for the store before it
+// (the compiler may not reorder a load past a store to memory it may alias). One element at
+// a time leaves most of the memory bandwidth unused. A warp's accesses stay coalesced.
+template <class Compute, class Store>
+BHVD_HD void unrolled_loop(long long first, long long stride, long long n, Compute compute,
+                           Store store) {
+  using Value = decltype(compute(first));
+  for (long long base = first; base < n; base += stride * kUnroll) {
+    Value v[kUnroll] = {};
+    BHVD_UNROLL
+    for (int k = 0; k < kUnroll; ++k) {
+      const long long i = base + k * stride;
+      if (i < n) {
+        v[k] = compute(i);
+      }
+    }
+    BHVD_UNROLL
+    for (int k = 0; k < kUnroll; ++k) {
+      const long long i = base + k * stride;
+      if (i < n) {
+        store(i, v[k]);
+      }
+    }
+  }
+}
+
 // Blocks per chunk of the min/max first pass: enough to cover the chunk, capped at
 // kMaxMinMaxBlocks or, when the device's SM count is known, at what fills the device
 // across the rows (chunks) of the launch.

@@ -1,7 +1,7 @@
 // Elementwise in-place kernels: average, add, subtract, addmul, scale, divide, the async
 // model average update and the low-precision decentralized diff. Each loads its operands as
 // fp32, applies one function of baguahvd_math.cuh and rounds once to the storage dtype.
-// Grid: grid_blocks(n) blocks of kThreads threads, grid-stride loop.
+// Grid: grid_blocks(n) blocks of kThreads threads, grid-stride loop (unrolled_loop).
 #include "baguahvd_math.cuh"
 
 namespace bhvd {
@@ -14,48 +14,47 @@ __device__ __forceinline__ long long grid_stride() {
   return static_cast<long long>(blockDim.x) * gridDim.x;
 }
 
+// out[i] = compute(i) for every i < n, rounded once to T. out may be an operand of compute:
+// every element is read before it is written, by the same thread (unrolled_loop).
+template <class T, class Compute>
+__device__ __forceinline__ void elementwise(typename T::storage* out, long long n,
+                                            Compute compute) {
+  unrolled_loop(first_index(), grid_stride(), n, compute,
+                [out](long long i, float value) { out[i] = T::store(value); });
+}
+
 template <class T>
 __device__ void average_body(typename T::storage* x, const typename T::storage* y, long long n) {
-  for (long long i = first_index(); i < n; i += grid_stride()) {
-    x[i] = T::store(average_op(T::load(x[i]), T::load(y[i])));
-  }
+  elementwise<T>(x, n, [=](long long i) { return average_op(T::load(x[i]), T::load(y[i])); });
 }
 
 template <class T>
 __device__ void add_body(typename T::storage* x, const typename T::storage* y, long long n) {
-  for (long long i = first_index(); i < n; i += grid_stride()) {
-    x[i] = T::store(add_op(T::load(x[i]), T::load(y[i])));
-  }
+  elementwise<T>(x, n, [=](long long i) { return add_op(T::load(x[i]), T::load(y[i])); });
 }
 
 template <class T>
 __device__ void subtract_body(typename T::storage* x, const typename T::storage* y,
                               long long n) {
-  for (long long i = first_index(); i < n; i += grid_stride()) {
-    x[i] = T::store(subtract_op(T::load(x[i]), T::load(y[i])));
-  }
+  elementwise<T>(x, n, [=](long long i) { return subtract_op(T::load(x[i]), T::load(y[i])); });
 }
 
 template <class T>
 __device__ void addmul_body(typename T::storage* x, const typename T::storage* y, float factor,
                             long long n) {
-  for (long long i = first_index(); i < n; i += grid_stride()) {
-    x[i] = T::store(addmul_op(T::load(x[i]), T::load(y[i]), factor));
-  }
+  elementwise<T>(x, n, [=](long long i) {
+    return addmul_op(T::load(x[i]), T::load(y[i]), factor);
+  });
 }
 
 template <class T>
 __device__ void scale_body(typename T::storage* x, float factor, long long n) {
-  for (long long i = first_index(); i < n; i += grid_stride()) {
-    x[i] = T::store(scale_op(T::load(x[i]), factor));
-  }
+  elementwise<T>(x, n, [=](long long i) { return scale_op(T::load(x[i]), factor); });
 }
 
 template <class T>
 __device__ void divide_body(typename T::storage* x, float divisor, long long n) {
-  for (long long i = first_index(); i < n; i += grid_stride()) {
-    x[i] = T::store(divide_op(T::load(x[i]), divisor));
-  }
+  elementwise<T>(x, n, [=](long long i) { return divide_op(T::load(x[i]), divisor); });
 }
 
 template <class T>
@@ -63,20 +62,19 @@ __device__ void async_model_average_body(typename T::storage* w,
                                          const typename T::storage* reduced,
                                          const typename T::storage* snapshot, float nranks,
                                          long long n) {
-  for (long long i = first_index(); i < n; i += grid_stride()) {
-    w[i] = T::store(
-        async_model_average_op(T::load(w[i]), T::load(reduced[i]), T::load(snapshot[i]), nranks));
-  }
+  elementwise<T>(w, n, [=](long long i) {
+    return async_model_average_op(T::load(w[i]), T::load(reduced[i]), T::load(snapshot[i]),
+                                  nranks);
+  });
 }
 
 template <class T>
 __device__ void lowprec_diff_body(typename T::storage* x, const typename T::storage* w,
                                   const typename T::storage* left,
                                   const typename T::storage* right, long long n) {
-  for (long long i = first_index(); i < n; i += grid_stride()) {
-    x[i] = T::store(
-        lowprec_diff_op(T::load(x[i]), T::load(w[i]), T::load(left[i]), T::load(right[i])));
-  }
+  elementwise<T>(x, n, [=](long long i) {
+    return lowprec_diff_op(T::load(x[i]), T::load(w[i]), T::load(left[i]), T::load(right[i]));
+  });
 }
 
 }  // namespace bhvd

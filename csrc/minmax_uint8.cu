@@ -13,6 +13,16 @@
 
 namespace bhvd {
 
+// A thread's first index and the stride of a grid-stride loop along one row (blockIdx.y) of
+// a two-dimensional grid.
+__device__ __forceinline__ long long first_in_row() {
+  return static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ long long row_stride() {
+  return static_cast<long long>(blockDim.x) * gridDim.x;
+}
+
 // Chunks whose quantization parameters decompress_reduce keeps in shared memory (12 bytes
 // each): one per rank of any group up to this size.
 constexpr int kCachedChunks = 1024;
@@ -90,11 +100,12 @@ __device__ void compress_body(const typename T::storage* x, long long numel, lon
   const long long begin = j * chunk;
   const long long valid = chunk_valid(numel, chunk, j);
   const long long code_bytes = slot - kHeaderBytes;
-  const long long stride = static_cast<long long>(blockDim.x) * gridDim.x;
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-       i < code_bytes; i += stride) {
-    s[kHeaderBytes + i] = i < valid ? quantize(T::load(x[begin + i]), p) : 0;
-  }
+  unrolled_loop(
+      first_in_row(), row_stride(), code_bytes,
+      [=](long long i) -> unsigned char {
+        return i < valid ? quantize(T::load(x[begin + i]), p) : 0;
+      },
+      [s](long long i, unsigned char code) { s[kHeaderBytes + i] = code; });
 }
 
 // The quantization parameters of one chunk's slot, read from its header and derived by one
@@ -119,11 +130,10 @@ __device__ void decompress_body(const unsigned char* buf, long long numel, long 
   const QuantParams p = block_slot_params<T>(s);
   const long long begin = j * chunk;
   const long long valid = chunk_valid(numel, chunk, j);
-  const long long stride = static_cast<long long>(blockDim.x) * gridDim.x;
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < valid;
-       i += stride) {
-    out[begin + i] = T::store(dequantize(s[kHeaderBytes + i], p));
-  }
+  unrolled_loop(
+      first_in_row(), row_stride(), valid,
+      [=](long long i) { return dequantize(s[kHeaderBytes + i], p); },
+      [=](long long i, float value) { out[begin + i] = T::store(value); });
 }
 
 // inout += decompress(buf), the decoded value rounded to T first so that this equals
@@ -136,12 +146,13 @@ __device__ void decompress_add_body(const unsigned char* buf, long long numel, l
   const QuantParams p = block_slot_params<T>(s);
   const long long begin = j * chunk;
   const long long valid = chunk_valid(numel, chunk, j);
-  const long long stride = static_cast<long long>(blockDim.x) * gridDim.x;
-  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < valid;
-       i += stride) {
-    const float d = round_to<T>(dequantize(s[kHeaderBytes + i], p));
-    inout[begin + i] = T::store(add_op(T::load(inout[begin + i]), d));
-  }
+  unrolled_loop(
+      first_in_row(), row_stride(), valid,
+      [=](long long i) {
+        const float d = round_to<T>(dequantize(s[kHeaderBytes + i], p));
+        return add_op(T::load(inout[begin + i]), d);
+      },
+      [=](long long i, float value) { inout[begin + i] = T::store(value); });
 }
 
 // out[i] = pairwise sum over the n full chunks of round_to<T>(decoded element i), divided by

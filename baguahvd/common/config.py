@@ -198,8 +198,9 @@ class Config:
     differ from Horovod's (a sum scaled in float64) in the last bits. Off by default."""
     nccl_single_rank: bool = False
     """A job of one rank sends CUDA tensors through a one-rank NCCL communicator instead of
-    the identity fast path (BAGUAHVD_NCCL_SINGLE_RANK): for smoke-testing the GPU path on
-    one GPU."""
+    the identity fast path (BAGUAHVD_NCCL_SINGLE_RANK), and the Bagua algorithms run at
+    size 1 instead of leaving the optimizer alone: for smoke-testing the GPU path on one
+    GPU."""
     thread_affinity: tuple[int, ...] = ()
     """CPU cores for the engine thread, indexed by local rank (HOROVOD_THREAD_AFFINITY)."""
     algorithm: str | None = None

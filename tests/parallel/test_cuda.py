@@ -198,6 +198,8 @@ def test_reducescatter(rank: int, size: int, device: torch.device, rows: int) ->
 
 
 def test_allreduce_in_a_process_set(rank: int, size: int, device: torch.device) -> None:
+    if size < 2:
+        pytest.skip("a process set of two distinct ranks needs two")
     members = [0, size - 1]
     process_set = hvd.add_process_set(members)
     try:
@@ -223,8 +225,10 @@ def test_a_joined_rank_contributes_zeros_on_its_gpu(rank: int, size: int,
     hvd.join(hvd.local_rank())
 
 
-def test_cpu_and_gpu_tensors_under_one_name_are_a_mismatch(rank: int,
+def test_cpu_and_gpu_tensors_under_one_name_are_a_mismatch(rank: int, size: int,
                                                            device: torch.device) -> None:
+    if size < 2:
+        pytest.skip("a mismatch between ranks needs two")
     tensor = torch.ones(3) if rank == 0 else torch.ones(3, device=device)
     with pytest.raises(MismatchError, match="CPU/GPU device selection"):
         hvd.allreduce(tensor, name="cuda.device_mismatch")

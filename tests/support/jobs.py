@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -345,3 +346,24 @@ def _end(job: subprocess.Popen[str]) -> tuple[str, str]:
         job.kill()
         stdout, stderr = job.communicate()
     return stdout or "", stderr or ""
+
+
+def run_one_rank(body: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    """Runs ``body`` (dedented) as a job of one rank started without a launcher, after
+    ``import pytest, torch`` and ``import baguahvd.torch as hvd``, with ``env`` set and every
+    launcher and Horovod variable of this process left out; fails unless it exits with 0."""
+    environment = {
+        k: v for k, v in os.environ.items()
+        if not k.startswith(("OMPI_", "PMI_", "PMIX_", "HOROVOD_", "BAGUAHVD_"))
+    }
+    environment.update(
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        **env,
+    )
+    script = "import pytest, torch\nimport baguahvd.torch as hvd\n" + textwrap.dedent(body)
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=environment,
+                            capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise AssertionError(f"exit status {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return result

@@ -21,6 +21,7 @@ from baguahvd.engine.process_sets import ProcessSetState
 from tests.fakes import fake_mpi
 from tests.fakes.fake_cupy import FakeCupy
 from tests.fakes.world import start_job
+from tests.support.jobs import run_one_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -116,3 +117,26 @@ def test_single_rank_nccl_routes_a_one_rank_allreduce_through_nccl(
         assert fake.log.of("NcclCommunicator")[0][1] == 1
     else:
         assert marks == [] and fake.log == []
+
+
+@pytest.mark.parametrize("single_rank_nccl", ["0", "1"])
+def test_single_rank_nccl_binds_the_bagua_algorithm_at_one_rank(single_rank_nccl: str) -> None:
+    """One rank leaves the optimizer alone, unless BAGUAHVD_NCCL_SINGLE_RANK asks for the
+    GPU path to be exercised: then the algorithm communicates at size 1 too, and trains."""
+    run_one_rank(
+        f"""
+        hvd.init()
+        model = torch.nn.Linear(4, 2)
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=model.named_parameters(), algorithm="bytegrad")
+        assert (optimizer.algorithm_impl is not None) == {single_rank_nccl == "1"}
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.ones(3, 4)).sum().backward()
+            optimizer.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        hvd.shutdown()
+        """,
+        BAGUAHVD_NCCL_SINGLE_RANK=single_rank_nccl,
+    )

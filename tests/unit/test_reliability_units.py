@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -36,9 +34,7 @@ from baguahvd.engine.requests import Request
 from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline
 from baguahvd.engine.watchdog import Watchdog, is_gone, process_identity
-
-REPO = Path(__file__).resolve().parents[2]
-
+from tests.support.jobs import run_one_rank
 
 # ---------------------------------------------------------------------------------------
 # Notices: how the end of a job is named on every rank
@@ -448,25 +444,8 @@ def test_config_reads_the_reliability_settings() -> None:
 # The timeline API in a one-rank job (fresh processes: MPI starts once per process)
 
 
-def _run(body: str, **env: str) -> subprocess.CompletedProcess[str]:
-    environment = {
-        k: v for k, v in os.environ.items()
-        if not k.startswith(("OMPI_", "PMI_", "PMIX_", "HOROVOD_", "BAGUAHVD_"))
-    }
-    environment.update(
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        OMP_NUM_THREADS="1",
-        **env,
-    )
-    script = "import pytest, torch\nimport baguahvd.torch as hvd\n" + textwrap.dedent(body)
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=environment,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
-    return result
-
-
 def test_start_timeline_needs_init_and_the_variable() -> None:
-    _run(
+    run_one_rank(
         """
         with pytest.raises(ValueError, match=r"^Horovod has not been initialized; use "
                                              r"hvd.init\\(\\).$"):
@@ -484,7 +463,7 @@ def test_start_timeline_needs_init_and_the_variable() -> None:
 def test_one_rank_job_writes_the_timeline(tmp_path: Path) -> None:
     fixed = tmp_path / "from_env.json"
     dynamic = tmp_path / "dynamic.json"
-    _run(
+    run_one_rank(
         f"""
         hvd.init()
         hvd.allreduce(torch.ones(3), name="from_env")

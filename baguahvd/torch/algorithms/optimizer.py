@@ -28,6 +28,14 @@ from baguahvd.torch.optimizer_protocol import (
 )
 
 
+def _communicates_alone() -> bool:
+    """Whether the algorithm runs in a job of one rank: in an elastic job (which may grow)
+    and under BAGUAHVD_NCCL_SINGLE_RANK (which sends even one rank's CUDA tensors through
+    NCCL, to exercise the GPU path); otherwise one rank has nothing to communicate."""
+    config = runtime.config
+    return config is not None and (config.elastic or config.nccl_single_rank)
+
+
 class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
     """Methods mixed into a subclass of the user's optimizer class (see the factory)."""
 
@@ -55,8 +63,7 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         self._init_protocol((p for _, p in trainable), backward_passes_per_step)
         self._hook_handles: list[Any] = []
         self._impl = None
-        elastic = bool(runtime.config is not None and runtime.config.elastic)
-        if process_set.included() and (runtime.size() > 1 or elastic):
+        if process_set.included() and (runtime.size() > 1 or _communicates_alone()):
             with self._communicating():
                 self._impl = algorithm.reify(
                     AlgorithmContext(self, trainable, process_set, bucket_bytes)
