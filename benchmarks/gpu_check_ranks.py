@@ -21,9 +21,10 @@ NCCL_SHM_DISABLE=1 and NCCL_SOCKET_IFNAME=lo). Parts:
   collective is stuck behind its producer: it times out too, or, when rank 0's report comes
   first, gets ``PeerFailureError`` naming rank 0's ``NCCLTimeoutError`` (both end the job);
 * ``one_rank_deadline`` (one rank, BAGUAHVD_NCCL_SINGLE_RANK=1): the same held stream under
-  a one-rank NCCL communicator, which must time out the same way. A warm-up collective
-  creates the communicator first: creating it waits for the device, so a communicator
-  created behind the held stream would time out in ncclCommInitRank instead.
+  a one-rank NCCL communicator, which must time out the same way, and before the held
+  producer ends (aborting the communicator waits for the device; the error must not). A
+  warm-up collective creates the communicator first: creating it waits for the device too,
+  so a communicator created behind the held stream would time out in ncclCommInitRank.
 """
 
 from __future__ import annotations
@@ -271,6 +272,17 @@ def one_rank_deadline(rec: Recorder, args: WorkerArgs) -> None:
 
     if rec.check("setup", one_rank) and _warm_up(rec, args):
         _held_stream_collective(rec, args, hold=True, check="held_collective")
+
+        def before_the_producer_ends() -> str:
+            took, hold = rec.data.get("held_collective.seconds"), rec.data.get("hold_s")
+            if took is None or not hold:
+                raise SkipCheck("no held collective ended with an error")
+            # The abort waits for the device; the error must not wait for the abort.
+            require(took < hold, f"the error came after {took} s, when the {hold} s "
+                                 "producer had ended: it waited for the NCCL abort")
+            return f"the error came after {took} s, the producer runs {hold} s"
+
+        rec.check("error_before_the_producer_ends", before_the_producer_ends)
 
 
 PARTS = {

@@ -415,11 +415,7 @@ class NCCLCommunicator(Communicator):
         if handle is None:
             return
         logger.error("aborting the NCCL communicator: %s", reason)
-        try:
-            handle.abort()
-        except (AttributeError, RuntimeError) as exc:
-            # NCCL older than 2.4 has no abort; its kernels may stay resident.
-            logger.error("could not abort the NCCL communicator: %s", exc)
+        nccl_setup.abort_communicator(handle)
 
     # ----------------------------------------------------------------------------------
     # Collectives

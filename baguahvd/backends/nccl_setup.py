@@ -101,7 +101,7 @@ class _Watch:
     def fail(self, error: NCCLError) -> None:
         handle, self.handle = self.handle, None
         if handle is not None:
-            _abort(handle)
+            abort_communicator(handle)
             raise type(error)(f"{error}. The NCCL communicator was aborted.")
         raise error
 
@@ -136,7 +136,7 @@ class _Helper(threading.Thread):
             handle = cupy_api.new_communicator(nccl, self.size, self.unique_id, self.rank)
             with self.lock:
                 if self.abandoned:
-                    _abort(handle)
+                    abort_communicator(handle)
                     return
                 self.handle = handle
             self.created.set()
@@ -251,7 +251,7 @@ def create(
         with helper.lock:
             helper.abandoned = True
             if helper.handle is not None:
-                _abort(helper.handle)
+                abort_communicator(helper.handle)
         raise
     watch.handle = helper.handle
     _raise_from(helper, watch, "ncclCommInitRank")
@@ -273,9 +273,36 @@ def _raise_from(helper: _Helper, watch: _Watch, step: str) -> None:
     raise error
 
 
-def _abort(handle: Any) -> None:
-    try:
-        handle.abort()
-    except (AttributeError, RuntimeError) as exc:
-        # NCCL older than 2.4 has no abort; its kernels may stay resident.
-        logger.error("could not abort the NCCL communicator: %s", exc)
+ABORT_WAIT_S = 1.0
+"""How long an abort is waited for before the caller goes on without it (see
+:func:`abort_communicator`)."""
+
+
+def abort_communicator(handle: Any) -> None:
+    """Aborts the NCCL communicator ``handle`` (``ncclCommAbort``, which also ends its kernels
+    still waiting on peers) on a thread of its own, waiting for it at most
+    :data:`ABORT_WAIT_S`.
+
+    The abort frees the communicator's device memory, and that waits for the work queued on
+    the device: behind a producer kernel that has not finished (seen on an H200: a stream
+    held past the NCCL deadline), it returns only when that kernel ends. Waiting for it
+    would hold back the error that explains the timeout, so the caller goes on and the
+    abort finishes on its own."""
+    finished = threading.Event()
+
+    def run() -> None:
+        try:
+            handle.abort()
+        except (AttributeError, RuntimeError) as exc:
+            # NCCL older than 2.4 has no abort; its kernels may stay resident.
+            logger.error("could not abort the NCCL communicator: %s", exc)
+        finally:
+            finished.set()
+
+    threading.Thread(target=run, name="baguahvd-nccl-abort", daemon=True).start()
+    wait_s = ABORT_WAIT_S
+    if not finished.wait(wait_s):
+        logger.error(
+            "the NCCL communicator's abort is still waiting for the device after %g s (work "
+            "queued before the collective has not finished); going on without it", wait_s)
+

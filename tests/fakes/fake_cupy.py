@@ -231,9 +231,11 @@ class FakeCupy:
             @conforming("nccl.NcclCommunicator.abort")
             def abort(self) -> None:
                 log.append(("abort", self.rank))
+                # blocked["abort"]: the abort waits for the device (work queued ahead).
+                wait_if_blocked("abort")
                 self.aborted = True
                 for name, gate in fake.blocked.items():
-                    if name != "NcclCommunicator":
+                    if name not in ("NcclCommunicator", "abort"):
                         gate.set()
 
             @conforming("nccl.NcclCommunicator.destroy")

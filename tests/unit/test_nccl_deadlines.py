@@ -94,6 +94,23 @@ def test_freeing_with_work_in_flight_aborts_at_the_deadline(fake: FakeCupy) -> N
     assert ("abort", 1) in fake.log and ("destroy", 1) not in fake.log
 
 
+def test_the_timeout_is_raised_while_the_abort_still_waits_for_the_device(
+    fake: FakeCupy, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # ncclCommAbort frees device memory, which waits for the work queued on the device: behind
+    # a producer kernel that has not finished, the abort blocks until that kernel ends.
+    monkeypatch.setattr(nccl_setup, "ABORT_WAIT_S", 0.1)
+    comm = _bound(timeout_s=0.3)
+    fake.polls_until_done = -1
+    fake.blocked["abort"] = threading.Event()
+    thread, raised = _in_thread(lambda: comm.broadcast(torch.ones(2), 0))
+    assert not thread.is_alive(), "the timeout waited for the abort"
+    assert len(raised) == 1 and isinstance(raised[0], backend.NCCLTimeoutError)
+    assert ("abort", 1) in fake.log and not fake.communicators[-1].aborted
+    assert "still waiting for the device" in caplog.text
+    fake.blocked["abort"].set()
+
+
 def test_freeing_a_drained_communicator_destroys_it(fake: FakeCupy) -> None:
     comm = _bound(timeout_s=30)
     comm.free()
