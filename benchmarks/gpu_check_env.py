@@ -141,7 +141,17 @@ def versions(rec: Recorder, args: WorkerArgs) -> None:
         head = subprocess.run([git, "-C", str(ROOT), "rev-parse", "HEAD"],
                               capture_output=True, text=True, timeout=30)
         data["commit"] = head.stdout.strip() or None
-        return data["commit"] or head.stderr.strip()
+        if data["commit"] is None:
+            return head.stderr.strip()
+        # A copied tree may come with an older .git: say whether the files are HEAD's.
+        status = subprocess.run([git, "-C", str(ROOT), "status", "--porcelain",
+                                 "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=60)
+        changed = [line[3:] for line in status.stdout.splitlines() if line.strip()]
+        data["changed_since_commit"] = changed
+        if changed:
+            return f"{data['commit']} with {len(changed)} tracked files changed since"
+        return data["commit"]
 
     rec.check("commit", commit)
 
