@@ -26,17 +26,17 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Hashable
 
-from baguahvd.engine.messages import OpType, RequestMeta, Response
-
-CACHEABLE_OPS = frozenset(
-    {OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL, OpType.REDUCESCATTER}
+from baguahvd.engine.messages import (
+    DATA_OPS,
+    GLOBAL_PROCESS_SET_ID,
+    OpType,
+    RequestMeta,
+    Response,
 )
+
 UNNAMED_PREFIX = "noname."
 """Negotiation keys of unnamed requests start with this."""
 
-
-GLOBAL_SET = 0
-"""The process set whose unnamed collectives may be cached."""
 UNNAMED_CACHEABLE_OPS = frozenset({OpType.ALLREDUCE, OpType.BROADCAST})
 """Unnamed collectives whose response every rank can name from its own request: the same
 shapes on every rank (an allgather's or alltoall's response holds the other ranks' sizes)."""
@@ -45,7 +45,7 @@ shapes on every rank (an allgather's or alltoall's response holds the other rank
 def may_cache(op: OpType, key: str) -> bool:
     """Whether a named collective of ``op`` negotiated under ``key`` may use the cache
     (unnamed ones: see :func:`cache_key`)."""
-    return op in CACHEABLE_OPS and not is_unnamed(key)
+    return op in DATA_OPS and not is_unnamed(key)
 
 
 def is_unnamed(key: str) -> bool:
@@ -58,12 +58,12 @@ def cache_key(item: RequestMeta | Response) -> Hashable | None:
     the global set, everything its response holds besides its name, the same on every
     rank."""
     op = item.op
-    if op not in CACHEABLE_OPS:
+    if op not in DATA_OPS:
         return None
     key = item.key
     if not is_unnamed(key):
         return key
-    if op not in UNNAMED_CACHEABLE_OPS or item.process_set_id != GLOBAL_SET:
+    if op not in UNNAMED_CACHEABLE_OPS or item.process_set_id != GLOBAL_PROCESS_SET_ID:
         return None
     return (
         UNNAMED_PREFIX, op, item.dtype, item.shapes, item.device, item.reduce_op, item.prescale,

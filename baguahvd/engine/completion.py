@@ -31,10 +31,15 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from baguahvd.common.exceptions import HorovodInternalError
-from baguahvd.engine.messages import Response
-from baguahvd.engine.requests import Request
+from baguahvd.engine.requests import Entry, Request
 
-Entry = tuple[Response, Request | None]
+
+def keep_named(exc: BaseException, otherwise: HorovodInternalError) -> HorovodInternalError:
+    """The error a failed collective's handles raise: ``exc`` itself when it is a
+    HorovodInternalError (named failures, such as an NCCL error or timeout, keep their class
+    for ``except``), else ``otherwise``."""
+    return exc if isinstance(exc, HorovodInternalError) else otherwise
+
 
 _FIRST_POLL_S = 2e-6
 _LONGEST_POLL_S = 1e-3
@@ -173,10 +178,8 @@ class Completions:
                 )
             for _, request in pending.unit:
                 if request is not None:
-                    request.handle.fail(
-                        error if isinstance(error, HorovodInternalError)
-                        else HorovodInternalError(f"{request.meta.name}: {error}")
-                    )
+                    request.handle.fail(keep_named(
+                        error, HorovodInternalError(f"{request.meta.name}: {error}")))
 
     def _complete(self) -> None:
         pending = self._units.pop(0)

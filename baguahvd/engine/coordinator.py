@@ -14,9 +14,16 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
-from baguahvd.engine.messages import JOIN_KEY, OpType, RequestMeta, Response, build_response
+from baguahvd.engine.messages import (
+    GLOBAL_PROCESS_SET_ID,
+    JOIN_KEY,
+    OpType,
+    RequestMeta,
+    Response,
+    build_response,
+)
 from baguahvd.engine.notices import Decision, Notice, RankReport, first_notice
-from baguahvd.engine.process_sets import GLOBAL_PROCESS_SET_ID, ProcessSetState
+from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline
 

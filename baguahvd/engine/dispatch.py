@@ -38,25 +38,22 @@ from baguahvd.backends import cuda_support, nccl
 from baguahvd.backends.base import Communicator, DeviceCommFactory, SelfCommunicator
 from baguahvd.common.exceptions import HorovodInternalError, MismatchError
 from baguahvd.engine import execute
-from baguahvd.engine.completion import CollectiveFailure, Completions, Entry
+from baguahvd.engine.completion import CollectiveFailure, Completions, keep_named
 from baguahvd.engine.execute import FusionBuffers, FusionPool
 from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, build_response
 from baguahvd.engine.process_sets import ProcessSetState
-from baguahvd.engine.requests import Request
+from baguahvd.engine.requests import Entry, Request
 from baguahvd.engine.timeline import Timeline, transport_activity
 
 logger = logging.getLogger("baguahvd.engine")
 
-__all__ = ["CollectiveFailure", "Dispatcher", "Entry", "named_error"]
+__all__ = ["CollectiveFailure", "Dispatcher", "named_error"]
 
 
 def named_error(exc: Exception, name: str) -> HorovodInternalError:
-    """The error a request of a failed collective raises: named failures (an NCCL error or
-    timeout) keep their class for ``except``."""
-    if isinstance(exc, HorovodInternalError):
-        return exc
-    return HorovodInternalError(f"{name} failed: {exc}")
+    """The error a request of a failed collective raises (see :func:`keep_named`)."""
+    return keep_named(exc, HorovodInternalError(f"{name} failed: {exc}"))
 
 
 class _Run:

@@ -57,24 +57,21 @@ from baguahvd.common.exceptions import (
 )
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.autotune import Autotuner, Settings
-from baguahvd.engine.dispatch import CollectiveFailure, Dispatcher, Entry
+from baguahvd.engine.completion import keep_named
+from baguahvd.engine.dispatch import CollectiveFailure, Dispatcher
 from baguahvd.engine.fusion import plan_fusion, unfused_sizes
 from baguahvd.engine.intake import RequestQueue, ThreadActivity
 from baguahvd.engine.lifecycle import Lifecycle, State
-from baguahvd.engine.messages import OpType
+from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, OpType
 from baguahvd.engine.negotiation import Negotiator
 from baguahvd.engine.notices import Notice, NoticeKind, describe_exception
-from baguahvd.engine.process_sets import (
-    GLOBAL_PROCESS_SET_ID,
-    ProcessSetRegistry,
-    not_member_message,
-)
-from baguahvd.engine.requests import Handle, Request
+from baguahvd.engine.process_sets import ProcessSetRegistry, not_member_message
+from baguahvd.engine.requests import Entry, Handle, Request
 from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline
 from baguahvd.engine.watchdog import Watchdog, process_identity
 
-# GLOBAL_PROCESS_SET_ID lives in process_sets; importers of the engine find it here too.
+# GLOBAL_PROCESS_SET_ID lives in messages; importers of the engine find it here too.
 __all__ = ["GLOBAL_PROCESS_SET_ID", "Engine"]
 
 logger = logging.getLogger("baguahvd.engine")
@@ -561,10 +558,7 @@ class Engine:
         lifecycle.leave()
         for _, request in failure.unit:
             if request is not None and not request.handle.done():
-                # Named failures (an NCCL error or timeout) keep their class for ``except``.
-                self._dispatch.finish(
-                    request, error=exc if isinstance(exc, HorovodInternalError) else error
-                )
+                self._dispatch.finish(request, error=keep_named(exc, error))
         lifecycle.stop(error, abnormal=True)
         lifecycle.leave_mid_cycle(reason)
 

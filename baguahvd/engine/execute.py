@@ -18,24 +18,8 @@ import torch
 from baguahvd.backends import memory
 from baguahvd.backends.base import Communicator
 from baguahvd.common.ops import ReduceOp
-from baguahvd.engine.messages import Response
-from baguahvd.engine.requests import Request
-
-DTYPES: dict[str, torch.dtype] = {
-    str(dtype).replace("torch.", ""): dtype
-    for dtype in (
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.bool,
-    )
-}
+from baguahvd.engine.messages import DTYPES, Response
+from baguahvd.engine.requests import Entry, Request
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -183,9 +167,6 @@ class FusionPool:
         """Returns buffers once every use of them is queued on the communicator's stream."""
         if len(self._free) < self._KEEP:
             self._free.append(buffers)
-
-
-Entry = tuple[Response, "Request | None"]
 
 
 def _factors(response: Response, comm: Communicator) -> tuple[ReduceOp, float, float]:

@@ -25,8 +25,7 @@ from typing import TypeVar
 import torch
 
 from baguahvd.common.ops import ReduceOp
-from baguahvd.engine.execute import DTYPES
-from baguahvd.engine.messages import OpType, Response
+from baguahvd.engine.messages import DTYPES, OpType, Response
 from baguahvd.engine.process_sets import ProcessSetState
 
 ITEMSIZES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}

@@ -34,7 +34,7 @@ from baguahvd.common.exceptions import CudaGraphCaptureError, DuplicateNameError
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine import execute
 from baguahvd.engine.cache import UNNAMED_PREFIX, is_unnamed
-from baguahvd.engine.messages import JOIN_KEY, OpType, RequestMeta
+from baguahvd.engine.messages import DTYPES, JOIN_KEY, OpType, RequestMeta
 from baguahvd.engine.requests import Request
 
 # A burst of submissions is over once its thread has submitted nothing for this long ...
@@ -42,7 +42,7 @@ QUIET_S = 5e-4
 # ... or this many cycle times after it began, whichever comes first.
 BURST_CYCLES = 5
 
-_DTYPE_NAMES = {dtype: name for name, dtype in execute.DTYPES.items()}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 # Frames in these folders are the library's, not the user's call.
 _LIBRARY_DIRS = (

@@ -15,8 +15,10 @@ requests when ``BAGUAHVD_CHECK_CALL_SITES`` is set).
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
+
+import torch
 
 from baguahvd.common.ops import ReduceOp
 
@@ -41,12 +43,33 @@ class OpType(enum.IntEnum):
 JOIN_KEY = "join"
 """The negotiation key of every join request."""
 
-# Operations whose names Horovod prefixes with the op, e.g. ``allreduce.weights``.
+GLOBAL_PROCESS_SET_ID = 0
+"""The id of the process set of every rank."""
+
 DATA_OPS = frozenset(
     {OpType.ALLREDUCE, OpType.ALLGATHER, OpType.BROADCAST, OpType.ALLTOALL, OpType.REDUCESCATTER}
 )
+"""The collectives that move tensors: Horovod prefixes their names with the op (e.g.
+``allreduce.weights``), and only they may be cached."""
 # First dimension may differ across ranks.
 RAGGED_OPS = frozenset({OpType.ALLGATHER, OpType.ALLTOALL})
+
+DTYPES: dict[str, torch.dtype] = {
+    str(dtype).replace("torch.", ""): dtype
+    for dtype in (
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.bool,
+    )
+}
+"""The dtypes a collective may carry, by the name requests and responses give them."""
 
 
 class RequestMeta(NamedTuple):
@@ -142,93 +165,77 @@ def _describe_site_mismatch(metas: Sequence[RequestMeta]) -> str | None:
     return None
 
 
+def _first_different(
+    metas: Sequence[RequestMeta], value: Callable[[RequestMeta], object]
+) -> RequestMeta | None:
+    """The first request whose ``value`` differs from the first request's, or None."""
+    reference = value(metas[0])
+    return next((meta for meta in metas[1:] if value(meta) != reference), None)
+
+
+def _describe_shape_mismatch(first: RequestMeta, meta: RequestMeta, index: int) -> str | None:
+    """Whether tensor ``index`` of ``meta``'s group disagrees with ``first``'s: in all of its
+    shape, or for ragged collectives in any dimension but the first."""
+    reference, shape = first.shapes[index], meta.shapes[index]
+    member = "" if len(first.shapes) == 1 else f" (tensor {index} of the group)"
+    prefix = (f"Mismatched {first.op.label} tensor shapes for {first.name}{member}: rank "
+              f"{first.rank} sent")
+    if first.op not in RAGGED_OPS:
+        if shape == reference:
+            return None
+        return (f"{prefix} a tensor of shape {_shape(reference)}, but rank {meta.rank} sent a "
+                f"tensor of shape {_shape(shape)}.")
+    if len(shape) != len(reference):
+        return (f"{prefix} a tensor of rank {len(reference)}, but rank {meta.rank} sent a "
+                f"tensor of rank {len(shape)}.")
+    dim = next((d for d in range(1, len(shape)) if shape[d] != reference[d]), None)
+    if dim is None:
+        return None
+    return (f"{prefix} a tensor with dimension {dim} equal to {reference[dim]}, but rank "
+            f"{meta.rank} sent a tensor with dimension {dim} equal to {shape[dim]}.")
+
+
 def _describe_first_mismatch(
     metas: Sequence[RequestMeta], ranks: Sequence[int]
 ) -> str | None:
-    """Returns a message naming the ranks and values of the first disagreement, or None."""
+    """Returns a message naming the ranks and values of the first disagreement, or None.
+    The fields are compared in Horovod's order, each across all ranks before the next."""
     first = metas[0]
-    op = first.op
-    label = op.label
-    name = first.name
-    for meta in metas[1:]:
-        if meta.op != op:
-            return (
-                f"Mismatched operations for {name}: rank {first.rank} did an {label}, but "
-                f"rank {meta.rank} did an {meta.op.label}."
-            )
-    for meta in metas[1:]:
-        if meta.dtype != first.dtype:
-            return (
-                f"Mismatched data types for {name}: rank {first.rank} had type {first.dtype}, "
-                f"but rank {meta.rank} had type {meta.dtype}."
-            )
-    for meta in metas[1:]:
-        if len(meta.shapes) != len(first.shapes):
-            return (
-                f"Mismatched {label} group sizes for {name}: rank {first.rank} sent "
-                f"{len(first.shapes)} tensors, but rank {meta.rank} sent {len(meta.shapes)}."
-            )
+    label, name = first.op.label, first.name
+    if other := _first_different(metas, lambda m: m.op):
+        return (f"Mismatched operations for {name}: rank {first.rank} did an {label}, but "
+                f"rank {other.rank} did an {other.op.label}.")
+    if other := _first_different(metas, lambda m: m.dtype):
+        return (f"Mismatched data types for {name}: rank {first.rank} had type {first.dtype}, "
+                f"but rank {other.rank} had type {other.dtype}.")
+    if other := _first_different(metas, lambda m: len(m.shapes)):
+        return (f"Mismatched {label} group sizes for {name}: rank {first.rank} sent "
+                f"{len(first.shapes)} tensors, but rank {other.rank} sent {len(other.shapes)}.")
     for index, reference in enumerate(first.shapes):
-        member = "" if len(first.shapes) == 1 else f" (tensor {index} of the group)"
         for meta in metas[1:]:
-            shape = meta.shapes[index]
-            if op in RAGGED_OPS:
-                if len(shape) != len(reference):
-                    return (
-                        f"Mismatched {label} tensor shapes for {name}{member}: rank "
-                        f"{first.rank} sent a tensor of rank {len(reference)}, but rank "
-                        f"{meta.rank} sent a tensor of rank {len(shape)}."
-                    )
-                for dim in range(1, len(shape)):
-                    if shape[dim] != reference[dim]:
-                        return (
-                            f"Mismatched {label} tensor shapes for {name}{member}: rank "
-                            f"{first.rank} sent a tensor with dimension {dim} equal to "
-                            f"{reference[dim]}, but rank {meta.rank} sent a tensor with "
-                            f"dimension {dim} equal to {shape[dim]}."
-                        )
-            elif shape != reference:
-                return (
-                    f"Mismatched {label} tensor shapes for {name}{member}: rank {first.rank} "
-                    f"sent a tensor of shape {_shape(reference)}, but rank {meta.rank} sent a "
-                    f"tensor of shape {_shape(shape)}."
-                )
-        if op in RAGGED_OPS and len(reference) == 0:
+            if shape_error := _describe_shape_mismatch(first, meta, index):
+                return shape_error
+        if first.op in RAGGED_OPS and len(reference) == 0:
             return f"Process-set rank zero tried to {label} a rank-zero tensor ({name})."
-    for meta in metas[1:]:
-        if meta.reduce_op != first.reduce_op:
-            return (
-                f"Mismatched reduction operation for {name}: rank {first.rank} sent reduction "
-                f"op {int(first.reduce_op)} ({first.reduce_op.name}), but rank {meta.rank} "
-                f"sent reduction op {int(meta.reduce_op)} ({meta.reduce_op.name})."
-            )
-    for meta in metas[1:]:
-        if (meta.prescale, meta.postscale) != (first.prescale, first.postscale):
-            return (
-                f"Mismatched prescale and/or postscale factors for {name}: rank {first.rank} "
-                f"sent factors ({first.prescale}, {first.postscale}), but rank {meta.rank} "
-                f"sent factors ({meta.prescale}, {meta.postscale})."
-            )
-    for meta in metas[1:]:
-        if meta.root != first.root:
-            return (
-                f"Mismatched {label} root ranks for {name}: rank {first.rank} specified root "
-                f"rank {ranks[first.root]}, but rank {meta.rank} specified root rank "
-                f"{ranks[meta.root]}."
-            )
-    for meta in metas[1:]:
-        if meta.device != first.device:
-            return (
-                f"Mismatched {label} CPU/GPU device selection for {name}: rank {first.rank} "
-                f"specified device {first.device}, but rank {meta.rank} specified device "
-                f"{meta.device}."
-            )
-    for meta in metas[1:]:
-        if meta.payload != first.payload:
-            return (
-                f"Mismatched {label} arguments for {name}: rank {first.rank} sent "
-                f"{list(first.payload)}, but rank {meta.rank} sent {list(meta.payload)}."
-            )
+    if other := _first_different(metas, lambda m: m.reduce_op):
+        return (f"Mismatched reduction operation for {name}: rank {first.rank} sent reduction "
+                f"op {int(first.reduce_op)} ({first.reduce_op.name}), but rank {other.rank} "
+                f"sent reduction op {int(other.reduce_op)} ({other.reduce_op.name}).")
+    if other := _first_different(metas, lambda m: (m.prescale, m.postscale)):
+        return (f"Mismatched prescale and/or postscale factors for {name}: rank {first.rank} "
+                f"sent factors ({first.prescale}, {first.postscale}), but rank {other.rank} "
+                f"sent factors ({other.prescale}, {other.postscale}).")
+    if other := _first_different(metas, lambda m: m.root):
+        return (f"Mismatched {label} root ranks for {name}: rank {first.rank} specified root "
+                f"rank {ranks[first.root]}, but rank {other.rank} specified root rank "
+                f"{ranks[other.root]}.")
+    if other := _first_different(metas, lambda m: m.device):
+        return (f"Mismatched {label} CPU/GPU device selection for {name}: rank {first.rank} "
+                f"specified device {first.device}, but rank {other.rank} specified device "
+                f"{other.device}.")
+    if other := _first_different(metas, lambda m: m.payload):
+        return (f"Mismatched {label} arguments for {name}: rank {first.rank} sent "
+                f"{list(first.payload)}, but rank {other.rank} sent {list(other.payload)}.")
     return None
 
 

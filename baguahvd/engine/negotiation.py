@@ -45,7 +45,6 @@ import numpy as np
 from baguahvd.backends.base import ControlPlane
 from baguahvd.engine.autotune import Settings
 from baguahvd.engine.cache import (
-    GLOBAL_SET,
     Lookup,
     ResponseCache,
     cache_key,
@@ -54,10 +53,10 @@ from baguahvd.engine.cache import (
     response_cacheable,
 )
 from baguahvd.engine.coordinator import Coordinator
-from baguahvd.engine.messages import RequestMeta, Response
+from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, RequestMeta, Response
 from baguahvd.engine.notices import Decision, Notice, RankReport
 from baguahvd.engine.process_sets import ProcessSetState
-from baguahvd.engine.requests import Request
+from baguahvd.engine.requests import Entry, Request
 from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline
 
@@ -72,8 +71,6 @@ FLAG_IDLE = 16
 IDLE_PAUSE_MAX_S = 0.016
 """The longest pause between the cycles of an engine whose job has nothing pending."""
 
-Entry = tuple[Response, Request | None]
-"""An agreed response and this rank's request for it (None where it has none)."""
 
 
 class Negotiator:
@@ -441,7 +438,7 @@ def _set_bits(bits: int, span: int) -> list[int]:
 def _counted(meta: RequestMeta) -> bool:
     """Whether ``meta`` is an unnamed request of the global set (counted in
     :attr:`Negotiator.unnamed_pending`)."""
-    return meta.process_set_id == GLOBAL_SET and is_unnamed(meta.key)
+    return meta.process_set_id == GLOBAL_PROCESS_SET_ID and is_unnamed(meta.key)
 
 
 def _signature(meta: RequestMeta) -> tuple[object, ...]:

@@ -14,8 +14,7 @@ from collections.abc import Sequence
 
 from baguahvd.backends.base import Communicator, ControlPlane, SelfCommunicator
 from baguahvd.engine.execute import FusionPool
-
-GLOBAL_PROCESS_SET_ID = 0
+from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from baguahvd.engine.messages import RequestMeta
+from baguahvd.engine.messages import RequestMeta, Response
 
 
 class Handle:
@@ -104,3 +104,8 @@ class Request:
         self.mark: Any = None
         """Where the submission stands in its submitter's CUDA stream
         (:class:`baguahvd.backends.nccl.StreamMark`), None for CPU tensors."""
+
+
+Entry = tuple[Response, "Request | None"]
+"""An agreed response and this rank's request for it (None where it has none: a joined
+rank, or a response this rank only takes part in)."""
