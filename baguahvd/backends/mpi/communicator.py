@@ -49,6 +49,11 @@ def _mpi_op(op: ReduceOp) -> Any:
         raise ValueError(f"The MPI backend cannot reduce with {op.name} directly.") from None
 
 
+def _in_place(tensor_in: torch.Tensor, tensor_out: torch.Tensor) -> bool:
+    """Whether a collective reads and writes the same memory (MPI's ``IN_PLACE``)."""
+    return tensor_in is tensor_out or tensor_in.data_ptr() == tensor_out.data_ptr()
+
+
 def _typed(tensor: torch.Tensor) -> list[Any]:
     try:
         mpi_type = _MPI_TYPES[tensor.dtype]
@@ -113,7 +118,7 @@ class MPICommunicator(Communicator):
         elif self._takes_ring(tensor_in, tensor_out, op):
             ring.allreduce(self.comm, _flat(tensor_in), _flat(tensor_out), op, scale)
             return
-        elif tensor_in is tensor_out or tensor_in.data_ptr() == tensor_out.data_ptr():
+        elif _in_place(tensor_in, tensor_out):
             self.comm.Allreduce(MPI.IN_PLACE, _typed(tensor_out), op=mpi_op)
         else:
             self.comm.Allreduce(_typed(tensor_in), _typed(tensor_out), op=mpi_op)
@@ -121,7 +126,7 @@ class MPICommunicator(Communicator):
             scale(tensor_out)
 
     def _takes_ring(self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp) -> bool:
-        in_place = tensor_in is tensor_out or tensor_in.data_ptr() == tensor_out.data_ptr()
+        in_place = _in_place(tensor_in, tensor_out)
         nbytes = tensor_out.numel() * tensor_out.element_size()
         return (
             self.size > 1
@@ -197,7 +202,7 @@ class MPICommunicator(Communicator):
             return PendingRequest(
                 request, (wide,), lambda: tensor_out.copy_(wide.view_as(tensor_out))
             )
-        if tensor_in is tensor_out or tensor_in.data_ptr() == tensor_out.data_ptr():
+        if _in_place(tensor_in, tensor_out):
             request = self.comm.Iallreduce(MPI.IN_PLACE, _typed(tensor_out), op=mpi_op)
         else:
             request = self.comm.Iallreduce(_typed(tensor_in), _typed(tensor_out), op=mpi_op)
