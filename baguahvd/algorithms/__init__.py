@@ -1,38 +1,6 @@
 """Bagua's communication algorithms (``baguahvd.algorithms.ByteGradAlgorithm`` and the
-others); they live in :mod:`baguahvd.torch.algorithms`."""
+others); they live in :mod:`baguahvd.torch.algorithms`, whose names this module re-exports
+(one list, there)."""
 
-from baguahvd.torch.algorithms import (
-    Algorithm,
-    AlgorithmContext,
-    AlgorithmImpl,
-    AsyncModelAverageAlgorithm,
-    AutoAlgorithm,
-    ByteGradAlgorithm,
-    DecentralizedAlgorithm,
-    GradientAllReduceAlgorithm,
-    LinkFigures,
-    LowPrecisionDecentralizedAlgorithm,
-    QAdamAlgorithm,
-    QAdamOptimizer,
-    known_algorithms,
-    register,
-    resolve,
-)
-
-__all__ = [
-    "Algorithm",
-    "AlgorithmContext",
-    "AlgorithmImpl",
-    "AsyncModelAverageAlgorithm",
-    "AutoAlgorithm",
-    "ByteGradAlgorithm",
-    "DecentralizedAlgorithm",
-    "GradientAllReduceAlgorithm",
-    "LinkFigures",
-    "LowPrecisionDecentralizedAlgorithm",
-    "QAdamAlgorithm",
-    "QAdamOptimizer",
-    "known_algorithms",
-    "register",
-    "resolve",
-]
+from baguahvd.torch.algorithms import *  # noqa: F403
+from baguahvd.torch.algorithms import __all__  # noqa: F401
