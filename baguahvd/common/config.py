@@ -179,6 +179,12 @@ class Config:
     """Version of the host set this launch started with (BAGUAHVD_ELASTIC_HOSTS_VERSION;
     set by ``baguahvdrun --elastic``); a newer notice in ``elastic_dir`` interrupts
     training at the next commit."""
+    elastic_persist_every: int = 1
+    """Persist every k-th ``state.commit()`` to ``elastic_dir`` (BAGUAHVD_ELASTIC_PERSIST_EVERY,
+    a whole number of at least 1; default 1, every commit). The other commits stay in memory
+    only; the last commit of a training function that returns, or that stops because the
+    hosts changed, is persisted whatever its number. A failure resumes from the newest
+    persisted commit, so up to k commits' worth of steps are redone."""
     mpi_threads_disable: bool = False
     """Ask MPI for a serialized rather than a multi-threaded library
     (HOROVOD_MPI_THREADS_DISABLE)."""
@@ -307,6 +313,10 @@ class Config:
             elastic_finished=finished.lower(),
             elastic_hosts_version=_as_count(
                 env, "ELASTIC_HOSTS_VERSION", 0, horovod_alias=False
+            ),
+            elastic_persist_every=_as_count(
+                env, "ELASTIC_PERSIST_EVERY", cls.elastic_persist_every, horovod_alias=False,
+                minimum=1,
             ),
             mpi_threads_disable=_as_bool(env, "MPI_THREADS_DISABLE"),
             disable_group_fusion=_as_bool(env, "DISABLE_GROUP_FUSION"),

@@ -145,6 +145,7 @@ def test_commit_persists_and_a_new_state_resumes(rank: int, elastic_dir: str) ->
     expected_momentum = {
         k: v["momentum_buffer"].clone() for k, v in state.optimizer.state_dict()["state"].items()
     }
+    state.wait_for_commit()  # the last write may still be running
     hvd.barrier()
     # A fresh process would build its state from scratch; this one does the same.
     fresh = _state(rank + 10)

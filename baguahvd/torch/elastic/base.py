@@ -8,7 +8,15 @@ world cannot shrink or grow in place, so it recovers by restarting the job inste
    copy to the folder: the first rank of every host writes commit ``n`` as
    ``commit-<n>.<host>.pt`` (tensors and plain values, loaded with ``weights_only=True``)
    and its manifest ``commit-<n>.<host>.json`` (job id, host, number, SHA-256), and keeps
-   its previous commit until the new one is synced and read back intact.
+   its previous commit until the new one is synced and read back intact. ``commit()``
+   only takes the host copy (a device-to-host copy into reused pinned buffers on GPU);
+   the write runs on a background thread, one at a time (:mod:`.writer`), and the next
+   commit waits for it only if it has not finished. ``BAGUAHVD_ELASTIC_PERSIST_EVERY=k``
+   persists every k-th commit only. A failed write is logged at once and raised by the
+   next commit (or at the end of the training function) as :class:`CommitWriteError`.
+   Before the training function's wrapper returns, ends a launch for a resize, or lets an
+   error through, the write in flight is finished. A process killed during a write
+   leaves the previous commit whole, and the relaunch resumes from that one.
 2. When a rank dies or raises, the job ends (see the reliability section of the README)
    and ``baguahvdrun --elastic`` launches it again, possibly on other hosts.
 3. In the new job, :func:`run_fn`'s wrapper finds the newest commit that verifies on any
@@ -45,7 +53,9 @@ from baguahvd.torch.elastic.store import (
     CommitError,
     FinishedJobError,
     HostUpdateResult,
+    check_plain,
 )
+from baguahvd.torch.elastic.writer import CommitWriteError, CommitWriter
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +64,7 @@ _Result = TypeVar("_Result")
 __all__ = [
     "CheckpointStore",
     "CommitError",
+    "CommitWriteError",
     "FinishedJobError",
     "HostUpdateResult",
     "ObjectState",
@@ -92,6 +103,11 @@ class State:
         self._hosts_version = config.elastic_hosts_version if config is not None else 0
         folder = config.elastic_dir if config is not None else None
         self._store = CheckpointStore(folder) if folder else None
+        self._writer = CommitWriter(self._store) if self._store is not None else None
+        self._persist_every = config.elastic_persist_every if config is not None else 1
+        # The newest commit that BAGUAHVD_ELASTIC_PERSIST_EVERY kept in memory only, as
+        # (number, payload): written when training ends or the job resizes.
+        self._unpersisted: tuple[int, Any] | None = None
 
     # -- Horovod's API ---------------------------------------------------------------------
 
@@ -113,12 +129,34 @@ class State:
 
     def commit(self) -> None:
         """Saves the state in memory and in the elastic folder, then checks for host
-        changes (raising :class:`HostsUpdatedInterrupt` on every rank if there was one)."""
+        changes (raising :class:`HostsUpdatedInterrupt` on every rank if there was one).
+
+        Returns once the copy is taken; the elastic folder's write runs in the background
+        (see :meth:`wait_for_commit`).
+
+        Raises:
+            CommitWriteError: the previous commit's background write failed.
+        """
         self.save()
         self._average_replicas()
         self._commits += 1
         self._persist()
         self.check_host_updates()
+
+    def wait_for_commit(self) -> None:
+        """Makes the newest commit durable in the elastic folder: writes it if
+        ``BAGUAHVD_ELASTIC_PERSIST_EVERY`` left it in memory, and waits until its write
+        has finished (on the first rank of each host; a no-op elsewhere and without a
+        folder). ``commit()`` followed by this call is a synchronous commit.
+
+        Raises:
+            CommitWriteError: the write failed; the folder keeps the commits before it.
+        """
+        if self._writer is None:
+            return
+        if self._unpersisted is not None:
+            self._write(*self._unpersisted)
+        self._writer.wait()
 
     def check_host_updates(self) -> None:
         """Raises :class:`HostsUpdatedInterrupt` on every rank when rank 0 has seen the host
@@ -171,10 +209,34 @@ class State:
         """Makes ``payload`` (from :meth:`_payload`) the saved and the current state."""
         raise NotImplementedError
 
+    def _writes(self) -> bool:
+        """Whether this rank writes commits: the first rank of each host, with a folder."""
+        return self._writer is not None and runtime.local_rank() == 0
+
     def _persist(self) -> None:
-        if self._store is None or runtime.local_rank() != 0:
+        if not self._writes():
             return
-        self._store.write(self._commits, self._payload())
+        payload = self._payload()
+        # A value that cannot be persisted is the caller's error: raise it here and now.
+        check_plain(payload, "commit")
+        if self._commits % self._persist_every == 0:
+            self._write(self._commits, payload)
+        else:
+            self._unpersisted = (self._commits, payload)
+
+    def _write(self, number: int, payload: Any) -> None:
+        assert self._writer is not None
+        self._unpersisted = None
+        self._writer.submit(number, payload)
+
+    def _settle_after_error(self) -> None:
+        """Lets the write in flight finish before an error ends the training function, so
+        that a restart finds it; its own failure was logged when it happened."""
+        if self._writer is not None:
+            try:
+                self._writer.wait()
+            except CommitWriteError:
+                pass
 
     def _resume(self) -> bool:
         """Loads the newest intact persisted commit that any host sees into rank 0's state,
@@ -254,8 +316,11 @@ class State:
         return True
 
     def _finish(self) -> None:
-        """Records in the folder that the training function returned."""
-        if self._store is not None and runtime.local_rank() == 0:
+        """Makes the last commit durable and records in the folder that the training
+        function returned."""
+        self.wait_for_commit()
+        if self._writes():
+            assert self._store is not None
             self._store.mark_finished(self._commits)
 
 
@@ -321,10 +386,13 @@ def run_fn(func: Callable[..., _Result], reset: Callable[[], None]) -> Callable[
     The wrapper resumes from the newest persisted commit (when there is one), syncs the
     state from rank 0, and calls ``func``. A host change reported at a
     commit ends the job with ``RESIZE_EXIT_CODE`` under ``baguahvdrun --elastic`` (which
-    relaunches it on the new hosts); outside it, ``reset()`` re-initialises in place and
-    training resumes after the reset callbacks. A failed collective
-    (``HorovodInternalError``) ends this rank: the job cannot continue on a broken MPI
-    world, and ``baguahvdrun --elastic`` restarts it from the last commit.
+    relaunches it on the new hosts) once that commit is durable; outside it, ``reset()``
+    re-initialises in place and training resumes after the reset callbacks. A failed
+    collective (``HorovodInternalError``) ends this rank, after the commit write in
+    flight: the job cannot continue on a broken MPI world, and ``baguahvdrun --elastic``
+    restarts it from the last durable commit. When ``func`` returns, its last commit is
+    made durable (raising :class:`CommitWriteError` if that fails) before the folder
+    records that the job finished.
 
     Args:
         func: the training function; its first argument is the state.
@@ -348,20 +416,23 @@ def run_fn(func: Callable[..., _Result], reset: Callable[[], None]) -> Callable[
                 state._store.mark_training()
             try:
                 result = func(state, *args, **kwargs)
-                state._finish()
-                return result
-            except HorovodInternalError:
-                if state._store is None:
+            except HostsUpdatedInterrupt as interrupt:
+                if state._store is not None:
+                    logger.info("the hosts changed; ending this launch to resize the job")
+                    state.wait_for_commit()  # the relaunch resumes from this commit
+                    raise SystemExit(protocol.RESIZE_EXIT_CODE) from None
+                skip_sync = interrupt.skip_sync
+            except BaseException as error:
+                if isinstance(error, HorovodInternalError) and state._store is None:
                     logger.error(
                         "a collective failed; run under `baguahvdrun --elastic` to restart "
                         "from the last commit"
                     )
+                state._settle_after_error()
                 raise
-            except HostsUpdatedInterrupt as interrupt:
-                if state._store is not None:
-                    logger.info("the hosts changed; ending this launch to resize the job")
-                    raise SystemExit(protocol.RESIZE_EXIT_CODE) from None
-                skip_sync = interrupt.skip_sync
+            else:
+                state._finish()
+                return result
             reset()
             state.on_reset()
 

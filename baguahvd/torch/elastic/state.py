@@ -64,7 +64,9 @@ class StateHandler:
         self.save()
 
     def saved(self) -> Any:
-        """The saved copy, as persisted by a commit."""
+        """The saved copy, as persisted by a commit. A commit's write runs in the
+        background while training goes on, so :meth:`save` must make a new copy rather
+        than change the previous one in place."""
         raise TypeError(
             f"{type(self).__name__} cannot persist commits; implement saved() and load()"
         )
@@ -157,7 +159,9 @@ class TorchState(ObjectState):
     saves the new one.
 
     ``commit()`` saves in memory and, under ``baguahvdrun --elastic``, persists to the
-    elastic folder, so that a restarted job resumes from it.
+    elastic folder, so that a restarted job resumes from it: the copy is taken when
+    ``commit()`` is called (into pinned host buffers for CUDA tensors) and written on a
+    background thread while training goes on (see :mod:`baguahvd.torch.elastic.writer`).
 
     Args:
         model: the model (or None).

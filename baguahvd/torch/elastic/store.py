@@ -252,7 +252,7 @@ class CheckpointStore:
                 commits are left as they were.
             CommitError: the payload read back from the disk differs from what was written.
         """
-        _check_plain(payload, "commit")
+        check_plain(payload, "commit")
         buffer = io.BytesIO()
         torch.save(payload, buffer)
         data = buffer.getvalue()
@@ -488,18 +488,18 @@ def _remove(path: str) -> None:
         pass
 
 
-def _check_plain(value: Any, where: str) -> None:
+def check_plain(value: Any, where: str) -> None:
     """Raises TypeError naming the first value that ``weights_only`` loading would refuse."""
     if isinstance(value, torch.Tensor) or type(value) in _PLAIN_SCALARS:
         return
     if type(value) in _PLAIN_CONTAINERS:
         if isinstance(value, dict):
             for key, item in value.items():
-                _check_plain(key, f"{where} key {key!r}")
-                _check_plain(item, f"{where}[{key!r}]")
+                check_plain(key, f"{where} key {key!r}")
+                check_plain(item, f"{where}[{key!r}]")
         else:
             for index, item in enumerate(value):
-                _check_plain(item, f"{where}[{index}]")
+                check_plain(item, f"{where}[{index}]")
         return
     raise TypeError(
         f"{where} is a {type(value).__module__}.{type(value).__qualname__}: a commit holds only "
