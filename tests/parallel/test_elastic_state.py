@@ -7,10 +7,12 @@ must hold rank 0's, which the test rebuilds locally.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -20,7 +22,8 @@ import baguahvd.algorithms as hvd_algorithms
 import baguahvd.torch as hvd
 from baguahvd.common.exceptions import HostsUpdatedInterrupt
 from baguahvd.runtime.state import runtime
-from baguahvd.torch.elastic.base import FinishedJobError
+from baguahvd.torch.elastic.base import CommitWriteError, FinishedJobError
+from baguahvd.torch.elastic.store import CheckpointStore
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -295,3 +298,86 @@ def test_the_finished_job_switch(rank: int, elastic_dir: str, policy: str) -> No
     else:
         with pytest.raises(FinishedJobError, match="finished training"):
             train(fresh)
+
+
+def _gate_writes(state: hvd.elastic.TorchState) -> threading.Event:
+    """Holds the state's background writes until the returned event is set."""
+    store = state._store
+    assert store is not None
+    real_write = store.write
+    go = threading.Event()
+
+    def gated(number: int, payload: object) -> str:
+        assert go.wait(60)
+        return real_write(number, payload)
+
+    store.write = gated  # type: ignore[method-assign]
+    return go
+
+
+def _newest_on_disk(folder: str) -> int:
+    return CheckpointStore(folder, host="reader").newest()
+
+
+def test_a_commit_holds_the_state_at_commit_time(rank: int, elastic_dir: str) -> None:
+    state = _state(rank)
+    state.sync()
+    committed = {k: v.clone() for k, v in state.model.state_dict().items()}
+    go = _gate_writes(state)
+    state.commit()  # returns with the write held back
+    with torch.no_grad():
+        for parameter in state.model.parameters():
+            parameter.add_(1.0)
+    state.notes.append("after the commit")
+    go.set()
+    state.wait_for_commit()
+    hvd.barrier()
+    payload = CheckpointStore(elastic_dir, host="reader").read(1)
+    for name, tensor in payload["handlers"]["model"].items():
+        assert torch.equal(tensor, committed[name]), name
+    assert payload["objects"]["notes"] == [0]
+
+
+def test_every_kth_commit_is_persisted(rank: int, elastic_dir: str) -> None:
+    runtime.config = dataclasses.replace(runtime.config, elastic_persist_every=3)
+    state = _state(rank)
+    seen = []
+    for _ in range(7):
+        state.epoch += 1
+        state.commit()
+        if state._writer is not None:
+            state._writer.wait()
+        hvd.barrier()
+        seen.append(_newest_on_disk(elastic_dir))
+    assert seen == [-1, -1, 3, 3, 3, 6, 6]
+    state.wait_for_commit()  # the last commit, kept in memory, is written on demand
+    hvd.barrier()
+    number, payload = CheckpointStore(elastic_dir, host="reader").load_newest()
+    assert number == 7 and payload["objects"]["epoch"] == 7
+
+
+def test_a_failed_write_fails_the_end_of_the_training_function(
+    rank: int, elastic_dir: str
+) -> None:
+    state = _state(rank)
+    store = state._store
+    assert store is not None
+
+    def full_disk(number: int, payload: object) -> str:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    store.write = full_disk  # type: ignore[method-assign]
+
+    @hvd.elastic.run
+    def train(state: hvd.elastic.TorchState) -> None:
+        state.epoch = 41
+        state.commit()
+
+    if hvd.local_rank() == 0:  # the rank that writes this host's commits
+        with pytest.raises(CommitWriteError, match="background write of commit 1"):
+            train(state)
+    else:
+        train(state)
+    hvd.barrier()
+    assert _newest_on_disk(elastic_dir) == -1
+    assert not os.path.exists(os.path.join(elastic_dir, "finished.json"))

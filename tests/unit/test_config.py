@@ -27,6 +27,9 @@ from baguahvd.common.config import Config
         ("HOROVOD_NUM_NCCL_STREAMS", "0", "less than 1"),
         ("BAGUAHVD_TIMELINE_START_STEP", "2.5", "whole number"),
         ("BAGUAHVD_ELASTIC_RESTART", "-1", "negative"),
+        ("BAGUAHVD_ELASTIC_PERSIST_EVERY", "0", "less than 1"),
+        ("BAGUAHVD_ELASTIC_PERSIST_EVERY", "2.5", "whole number"),
+        ("BAGUAHVD_ELASTIC_PERSIST_EVERY", "often", "not a number"),
         ("BAGUAHVD_UNFUSED_BYTES", "-1", "negative"),
         ("BAGUAHVD_UNFUSED_BYTES", "2.5", "whole number"),
     ],
@@ -49,6 +52,7 @@ def test_meaningless_numbers_are_rejected(variable: str, value: str, reason: str
         ("HOROVOD_NUM_NCCL_STREAMS", "2", "num_nccl_streams", 2),
         ("BAGUAHVD_UNFUSED_BYTES", "0", "unfused_bytes", 0),
         ("BAGUAHVD_UNFUSED_BYTES", "4194304", "unfused_bytes", 4 << 20),
+        ("BAGUAHVD_ELASTIC_PERSIST_EVERY", "5", "elastic_persist_every", 5),
     ],
 )
 def test_meaningful_numbers_are_read_exactly(
