@@ -1,20 +1,32 @@
-"""The Lightning cluster environment of ranks that ``baguahvdrun`` or ``mpirun`` started.
+"""The Lightning cluster environment of ranks that a launcher started (baguahvdrun, mpirun,
+torchrun, Slurm).
 
 The processes exist before the Trainer does, so Lightning launches nothing: ranks, sizes
 and the node index come from baguahvd after ``hvd.init()``, and the rendezvous address
 Lightning asks every environment for is never used (baguahvd connects the ranks itself).
+
+:class:`BaguaHvdEnvironmentMixin` holds the methods; :func:`baguahvd.lightning.strategy.build`
+joins it with each installed Lightning package's ``ClusterEnvironment`` (import the result
+as ``baguahvd.lightning.pytorch.BaguaHvdEnvironment`` for ``lightning.pytorch`` or
+``baguahvd.lightning.pytorch_lightning.BaguaHvdEnvironment`` for ``pytorch_lightning``).
 """
 
 from __future__ import annotations
 
-from lightning.fabric.plugins.environments import ClusterEnvironment
+from typing import TYPE_CHECKING
 
 import baguahvd.torch as hvd
+from baguahvd.lightning.rules import check_devices
+
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.environments import ClusterEnvironment as _Base
+else:
+    _Base = object
 
 
-class BaguaHvdEnvironment(ClusterEnvironment):
-    """Ranks started by ``baguahvdrun`` or ``mpirun``; every query calls ``hvd.init()``
-    first, which does nothing once baguahvd is initialised."""
+class BaguaHvdEnvironmentMixin(_Base):
+    """Ranks started by a launcher; every query calls ``hvd.init()`` first, which does
+    nothing once baguahvd is initialised."""
 
     @property
     def creates_processes_externally(self) -> bool:
@@ -58,4 +70,11 @@ class BaguaHvdEnvironment(ClusterEnvironment):
         return hvd.cross_rank()
 
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
-        """Accepts any ``devices``/``num_nodes``: the launcher decided how many ranks run."""
+        """``devices`` is 1 or the launcher's ranks per machine; ``num_nodes`` 1 or its
+        number of machines.
+
+        Raises:
+            LaunchMismatchError: otherwise (see :func:`~baguahvd.lightning.rules.check_devices`).
+        """
+        hvd.init()
+        check_devices(num_devices, num_nodes, hvd.local_size(), hvd.cross_size(), hvd.size())

@@ -1,134 +1,93 @@
-"""``BaguaHvdStrategy``: Lightning's Trainer on baguahvd, ``Trainer(strategy="baguahvd")``.
+"""``BaguaHvdStrategy``: Lightning's Trainer on baguahvd, ``Trainer(strategy="baguahvd")``,
+and ``BaguaStrategy``, lightning_bagua's strategy of the same name (``strategy="bagua"``).
+
+One source for both Lightning packages: :class:`BaguaHvdStrategyMixin` holds the protocol,
+and :func:`baguahvd.lightning.build.build` joins it with a package's ``ParallelStrategy``
+(``lightning.pytorch`` or ``pytorch_lightning``) and registers the result in that package's
+``StrategyRegistry``. :mod:`baguahvd.lightning.pytorch` and
+:mod:`baguahvd.lightning.pytorch_lightning` hold the built classes.
 
 The protocol, in the order Lightning drives it:
 
-1. Construction (``Trainer(...)``): ``set_world_ranks`` runs ``hvd.init()``; ranks and sizes
-   come from :class:`~baguahvd.lightning.environment.BaguaHvdEnvironment`. The processes were
-   started by ``baguahvdrun`` or ``mpirun``, so there is no launcher.
-2. ``setup`` (fit): the model moves to its device, rank 0's weights are broadcast, each
+1. Construction (``Trainer(...)``): who starts the ranks is read from the environment
+   (:func:`~baguahvd.lightning.rules.launch_kind`).
+
+   - A launcher (baguahvdrun, mpirun, torchrun, Slurm) started every rank: ``set_world_ranks``
+     runs ``hvd.init()``, ranks and sizes come from the ``BaguaHvdEnvironment``, and the
+     Trainer's ``devices``/``num_nodes`` are checked against the launch
+     (:func:`~baguahvd.lightning.rules.check_devices`). Lightning launches nothing.
+   - ``python train.py``: with ``Trainer(devices=N)``, N > 1, Lightning's own subprocess
+     launcher and ``LightningEnvironment`` start the other N - 1 ranks of the machine, as for
+     DDP. baguahvd is initialised later, in step 2.
+
+2. ``setup_environment`` (inside the launch): the device is selected; ranks that Lightning
+   started get torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+   GROUP_RANK, MASTER_ADDR, MASTER_PORT), so ``hvd.init()`` meets the others on gloo through
+   the TCP store rank 0 opens at Lightning's address and port, without MPI.
+3. ``setup`` (fit): the model moves to its device, rank 0's weights are broadcast, each
    optimizer is wrapped by ``hvd.DistributedOptimizer`` (Horovod's allreduce, or the Bagua
    algorithm given as ``algorithm=``), learning-rate schedulers are pointed at the wrapped
    optimizers and rank 0's optimizer state is broadcast. Lightning's wrappers of them
-   (``self.optimizers()``) are :class:`DistributedLightningOptimizer`.
-3. ``optimizer_step``: Lightning runs forward and backward inside the closure it hands to
+   (``self.optimizers()``) are ``DistributedLightningOptimizer``.
+4. ``optimizer_step``: Lightning runs forward and backward inside the closure it hands to
    ``optimizer.step``. The closure is extended to ``synchronize()`` the optimizer right after
    backward, and the step runs under ``skip_synchronize()``, so that gradient clipping and
    ``on_before_optimizer_step`` see averaged gradients (Horovod's rule: synchronize, clip,
    step without synchronizing).
-4. Weight-averaging algorithms (decentralized, low-precision decentralized, async) leave each
+5. Weight-averaging algorithms (decentralized, low-precision decentralized, async) leave each
    rank with a model of its own. Before validation, before a checkpoint's state is taken and
    when fitting ends, the ranks' parameters and floating-point buffers are replaced by their
    average (async averaging is aborted first and resumed at the next training batch), so
    validation, checkpoints and the fitted model are the same on every rank.
-5. Checkpoints are written by rank 0 only (Lightning's ``save_checkpoint``); barrier,
+6. Checkpoints are written by rank 0 only (Lightning's ``save_checkpoint``); barrier,
    broadcast, all_gather and ``self.log(..., sync_dist=True)`` go through baguahvd.
-6. ``teardown`` closes the algorithms (their threads and communicators); baguahvd itself stays
+7. ``teardown`` closes the algorithms (their threads and communicators); baguahvd itself stays
    initialised, so a process can fit again or keep using ``hvd``.
 """
 
 from __future__ import annotations
 
-import functools
-import weakref
+import os
 from collections.abc import Callable
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.plugins.environments import ClusterEnvironment
-from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import ReduceOp
-from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
 import baguahvd.torch as hvd
-from baguahvd.lightning.environment import BaguaHvdEnvironment
-from baguahvd.torch.algorithms import (
-    Algorithm,
-    AsyncModelAverageAlgorithm,
-    DecentralizedAlgorithm,
-    LowPrecisionDecentralizedAlgorithm,
-    resolve,
+from baguahvd.lightning.api import LightningAPI
+from baguahvd.lightning.environment import BaguaHvdEnvironmentMixin
+from baguahvd.lightning.rules import (
+    Launch,
+    averages_weights,
+    check_devices,
+    check_initialised_size,
+    launch_kind,
+    reduce_op_of,
+    torchrun_variables,
+    track_steps_for_scheduler,
 )
+from baguahvd.torch.algorithms import Algorithm, AsyncModelAverageAlgorithm, resolve
 
-WEIGHT_AVERAGING: tuple[type[Algorithm], ...] = (
-    DecentralizedAlgorithm,
-    LowPrecisionDecentralizedAlgorithm,
-    AsyncModelAverageAlgorithm,
-)
-"""Algorithms after whose steps every rank holds a model of its own."""
+if TYPE_CHECKING:
+    from lightning.pytorch.core.optimizer import LightningOptimizer as _OptimizerBase
+    from lightning.pytorch.strategies import ParallelStrategy as _StrategyBase
+else:
+    _OptimizerBase = _StrategyBase = object
 
-_REDUCE_OPS: dict[str, int] = {
-    "mean": hvd.Average,
-    "avg": hvd.Average,
-    "sum": hvd.Sum,
-    "max": hvd.Max,
-    "min": hvd.Min,
-    "product": hvd.Product,
-}
 _AVERAGE_NAME = "baguahvd.lightning.average_weights"
 
 
-def reduce_op_of(reduce_op: Optional[Union[ReduceOp, str]]) -> int:
-    """baguahvd's op for Lightning's ``reduce_op``: a name (``"mean"``, ``"sum"``, ...) or a
-    ``torch.distributed.ReduceOp``; None means the mean."""
-    if reduce_op is None:
-        return hvd.Average
-    # torch.distributed.ReduceOp.SUM prints as "RedOpType.SUM" (or "ReduceOp.SUM").
-    key = reduce_op if isinstance(reduce_op, str) else str(reduce_op).rsplit(".", 1)[-1]
-    op = _REDUCE_OPS.get(key.lower())
-    if op is None:
-        raise ValueError(
-            f"reduce_op {reduce_op!r} is not supported by BaguaHvdStrategy; "
-            f"use one of {', '.join(sorted(_REDUCE_OPS))}."
-        )
-    return op
-
-
-def averages_weights(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` runs an algorithm that leaves the ranks' models apart."""
-    return isinstance(getattr(optimizer, "algorithm", None), WEIGHT_AVERAGING)
-
-
-def track_steps_for_scheduler(optimizer: torch.optim.Optimizer) -> None:
-    """Lets a learning-rate scheduler moved onto ``optimizer`` see its steps.
-
-    torch's schedulers wrap the ``step`` of the optimizer they are built with so that it sets
-    ``_opt_called``, and warn on their first ``step()`` when that wrapper (marked
-    ``_wrapped_by_lr_sched``) is missing or never ran. The wrapped optimizer gets the same
-    marks, or every fit with a scheduler would warn that ``optimizer.step()`` was overridden.
-    """
-    if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
-        return
-    owner = weakref.ref(optimizer)
-    step = type(optimizer).step
-
-    @functools.wraps(step)
-    def tracked(*args: Any, **kwargs: Any) -> Any:
-        instance = owner()
-        assert instance is not None, "step() of a freed optimizer"
-        instance._opt_called = True  # type: ignore[attr-defined]
-        return step(instance, *args, **kwargs)
-
-    tracked._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = tracked  # type: ignore[method-assign]
-
-
 def _forward_to_optimizer(name: str) -> Callable[..., Any]:
-    def forward(self: LightningOptimizer, *args: Any, **kwargs: Any) -> Any:
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         return getattr(self.optimizer, name)(*args, **kwargs)
 
     forward.__name__ = name
     return forward
 
 
-class DistributedLightningOptimizer(LightningOptimizer):
+class DistributedLightningOptimizerMixin(_OptimizerBase):
     """Lightning's wrapper of a ``DistributedOptimizer`` (what ``self.optimizers()`` returns).
 
     ``LightningOptimizer`` turns its own class into a subclass of the optimizer's class, so
@@ -139,6 +98,9 @@ class DistributedLightningOptimizer(LightningOptimizer):
     the optimizer itself; ``step`` stays Lightning's, which reaches the strategy.
     """
 
+    _lightning_optimizer: type
+    """The package's ``LightningOptimizer`` (set by :func:`~baguahvd.lightning.build.build`)."""
+
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         super().__init__(optimizer)
         forwarded = {
@@ -146,18 +108,28 @@ class DistributedLightningOptimizer(LightningOptimizer):
             for name, value in vars(type(optimizer)).items()
             if callable(value)
             and not name.startswith("__")
-            and not hasattr(LightningOptimizer, name)
+            and not hasattr(self._lightning_optimizer, name)
         }
         self.__class__ = type(self.__class__.__name__, (self.__class__,), forwarded)
 
 
-class BaguaHvdStrategy(ParallelStrategy):
-    """Data-parallel training on ranks started by ``baguahvdrun`` or ``mpirun``.
+class BaguaHvdStrategyMixin(_StrategyBase):
+    """Data-parallel training on baguahvd, with Horovod's allreduce or a Bagua algorithm.
 
     ``Trainer(strategy="baguahvd")`` (after ``import baguahvd.lightning``, which registers the
-    name) or ``Trainer(strategy=BaguaHvdStrategy(algorithm="bytegrad"))``. Every process runs
-    the same script and builds its own Trainer; Lightning starts no process. Scale the
-    learning rate by ``hvd.size()`` yourself, as with Horovod.
+    name in every installed Lightning package) or
+    ``Trainer(strategy=BaguaHvdStrategy(algorithm="bytegrad"))``, with the class of the
+    Trainer's package::
+
+        from baguahvd.lightning.pytorch import BaguaHvdStrategy           # lightning.pytorch
+        from baguahvd.lightning.pytorch_lightning import BaguaHvdStrategy  # pytorch_lightning
+
+    (``baguahvd.lightning.BaguaHvdStrategy`` is the first of these that is installed.)
+
+    Ranks started by baguahvdrun, mpirun, torchrun or Slurm each build their own Trainer
+    with ``devices=1`` or ``devices=<ranks per machine>``; ``python train.py`` with
+    ``Trainer(devices=N)`` starts the N ranks itself, as Lightning's DDP does. Scale the
+    learning rate by the number of ranks (``trainer.world_size``) yourself, as with Horovod.
 
     Args:
         algorithm: a Bagua algorithm, as ``hvd.DistributedOptimizer(..., algorithm=...)``
@@ -166,42 +138,96 @@ class BaguaHvdStrategy(ParallelStrategy):
             ``BAGUAHVD_ALGORITHM`` setting, else Horovod's per-gradient allreduce.
         accelerator: Lightning's accelerator (default: chosen by the Trainer, CPU or CUDA).
         parallel_devices: the devices Lightning sees on this node (default: the Trainer's).
-        cluster_environment: default :class:`BaguaHvdEnvironment`, ranks from ``hvd``.
+        cluster_environment: default: ``BaguaHvdEnvironment`` (ranks from ``hvd``) when a
+            launcher started the process, else Lightning's ``LightningEnvironment``.
         checkpoint_io: how checkpoints are written (default: Lightning's ``torch.save``).
         precision_plugin: Lightning's precision plugin (default: the Trainer's).
 
     Raises:
         ValueError: an unknown algorithm name (the message lists the known ones).
+        LaunchMismatchError: (a ``ValueError``, when the Trainer is built) ``devices`` or
+            ``num_nodes`` contradict the launcher's job, or ``hvd.init()`` ran as a job of
+            another size before ``python train.py``'s ranks were started.
     """
 
     strategy_name = "baguahvd"
+    _api: LightningAPI
+    """The Lightning package this class was built for (set by
+    :func:`~baguahvd.lightning.build.build`)."""
+    _environment_class: type
+    _optimizer_class: type
 
     def __init__(
         self,
         algorithm: Union[str, Algorithm, None] = None,
         *,
-        accelerator: Optional[Accelerator] = None,
+        accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
     ) -> None:
+        self.algorithm: Optional[Algorithm] = None if algorithm is None else resolve(algorithm)
         self._distributed: list[torch.optim.Optimizer] = []
+        self._num_nodes = 1
+        if cluster_environment is None:
+            self._launch = launch_kind()
+            cluster_environment = (
+                self._environment_class()
+                if self._launch is Launch.EXTERNAL
+                else self._api.lightning_environment()
+            )
+        else:
+            self._launch = (
+                Launch.EXTERNAL
+                if isinstance(cluster_environment, BaguaHvdEnvironmentMixin)
+                else Launch.LIGHTNING
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment or BaguaHvdEnvironment(),
+            cluster_environment=cluster_environment,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self.algorithm: Optional[Algorithm] = None if algorithm is None else resolve(algorithm)
 
     # -- ranks and devices -----------------------------------------------------------------
 
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """The ranks per machine that the Trainer was given (its ``devices``)."""
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
     def set_world_ranks(self) -> None:
-        """Initialises baguahvd and makes Lightning's ``rank_zero_only`` output rank 0's."""
-        hvd.init()
+        """Under a launcher, initialises baguahvd and checks the Trainer's devices against
+        the launch; otherwise sets Lightning's ranks from its own count of devices. Either
+        way Lightning's ``rank_zero_only`` output becomes rank 0's."""
+        environment = self.cluster_environment
+        assert environment is not None
+        if self._launch is Launch.EXTERNAL:
+            hvd.init()
+            check_devices(self.num_processes, self.num_nodes, hvd.local_size(),
+                          hvd.cross_size(), hvd.size())
+        else:
+            environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only: Any = self._api.rank_zero_only
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def _configure_launcher(self) -> None:
+        """Lightning's subprocess launcher when ``python train.py`` runs several ranks."""
+        if self._launch is Launch.LIGHTNING and self.num_nodes * self.num_processes > 1:
+            self._launcher = self._api.subprocess_launcher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
 
     @property
     def is_distributed(self) -> bool:
@@ -210,19 +236,36 @@ class BaguaHvdStrategy(ParallelStrategy):
 
     @property
     def root_device(self) -> torch.device:
-        """``cuda:<local rank>`` with the CUDA accelerator, else the CPU."""
+        """This rank's CUDA device with the CUDA accelerator (``cuda:<local rank>`` when the
+        Trainer has one device per rank), else the CPU."""
         devices = self.parallel_devices or []
-        if devices and devices[0].type == "cuda":
-            return torch.device("cuda", self.local_rank)
-        return torch.device("cpu")
+        if not devices or devices[0].type != "cuda":
+            return torch.device("cpu")
+        if len(devices) > 1:
+            return devices[self.local_rank]
+        return torch.device("cuda", self.local_rank)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
     def setup_environment(self) -> None:
-        self.set_world_ranks()
+        """Selects the device, then starts baguahvd: at once under a launcher, through
+        torchrun's variables in ranks that ``python train.py`` started."""
         super().setup_environment()
+        if self._launch is Launch.EXTERNAL:
+            self.set_world_ranks()
+            return
+        check_initialised_size(self.world_size)
+        environment = self.cluster_environment
+        assert environment is not None
+        if self.world_size > 1 and not hvd.is_initialized():
+            os.environ.update(torchrun_variables(
+                self.global_rank, self.world_size, self.local_rank, self.num_processes,
+                self.node_rank, environment.main_address, environment.main_port,
+            ))
+        hvd.init()
+        check_initialised_size(self.world_size)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -234,7 +277,7 @@ class BaguaHvdStrategy(ParallelStrategy):
         """Lightning's setup, then (when fitting) rank 0's weights and optimizer state on every
         rank and each optimizer wrapped by ``hvd.DistributedOptimizer``."""
         super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING:
+        if trainer.state.fn != self._api.fitting:
             return
         assert self.model is not None
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
@@ -261,12 +304,9 @@ class BaguaHvdStrategy(ParallelStrategy):
     @optimizers.setter
     def optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
         self._optimizers = optimizers
+        wrappers: tuple[Any, Any] = (self._optimizer_class, self._api.lightning_optimizer)
         self._lightning_optimizers = [
-            (
-                DistributedLightningOptimizer
-                if opt in self._distributed
-                else LightningOptimizer
-            )._to_lightning_optimizer(opt, self)
+            wrappers[opt not in self._distributed]._to_lightning_optimizer(opt, self)
             for opt in optimizers
         ]
 
@@ -285,7 +325,7 @@ class BaguaHvdStrategy(ParallelStrategy):
 
     def optimizer_step(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: Any,
         closure: Callable[[], Any],
         model: Any = None,
         **kwargs: Any,
@@ -318,20 +358,22 @@ class BaguaHvdStrategy(ParallelStrategy):
         with torch.no_grad():
             hvd.grouped_allreduce_(tensors, name=_AVERAGE_NAME, op=hvd.Average)
 
+    def _async_impls(self) -> list[Any]:
+        return [
+            opt.algorithm_impl  # type: ignore[attr-defined]
+            for opt in self._distributed
+            if getattr(opt, "algorithm_impl", None) is not None
+            and isinstance(getattr(opt, "algorithm", None), AsyncModelAverageAlgorithm)
+        ]
+
     def _pause_async(self) -> None:
-        for opt in self._distributed:
-            impl = getattr(opt, "algorithm_impl", None)
-            if impl is not None and isinstance(getattr(opt, "algorithm", None),
-                                               AsyncModelAverageAlgorithm):
-                impl.abort()
+        for impl in self._async_impls():
+            impl.abort()
 
     def _resume_async(self) -> None:
         # resume() does nothing unless abort() stopped the averaging.
-        for opt in self._distributed:
-            impl = getattr(opt, "algorithm_impl", None)
-            if impl is not None and isinstance(getattr(opt, "algorithm", None),
-                                               AsyncModelAverageAlgorithm):
-                impl.resume()
+        for impl in self._async_impls():
+            impl.resume()
 
     def on_validation_start(self) -> None:
         self.average_weights()
@@ -348,7 +390,7 @@ class BaguaHvdStrategy(ParallelStrategy):
         self.average_weights()
         return super().lightning_module_state_dict()
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         self._pause_async()
         return super().optimizer_state(optimizer)
 
@@ -358,7 +400,7 @@ class BaguaHvdStrategy(ParallelStrategy):
         self,
         tensor: Union[Tensor, Any],
         group: Optional[Any] = None,
-        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+        reduce_op: Optional[Any] = "mean",
     ) -> Union[Tensor, Any]:
         """Reduces ``tensor`` over all ranks (``self.log(..., sync_dist=True)`` comes here);
         a non-tensor is returned unchanged.
@@ -405,7 +447,7 @@ class BaguaHvdStrategy(ParallelStrategy):
         super().teardown()
 
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(
             cls.strategy_name,
             cls,
@@ -413,5 +455,3 @@ class BaguaHvdStrategy(ParallelStrategy):
             override=True,
         )
 
-
-BaguaHvdStrategy.register_strategies(StrategyRegistry)

@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 import baguahvd.torch as hvd  # noqa: E402
 from baguahvd.algorithms import ByteGradAlgorithm  # noqa: E402
 from baguahvd.lightning import BaguaHvdStrategy  # noqa: E402
-from baguahvd.lightning.strategy import reduce_op_of  # noqa: E402
+from baguahvd.lightning.rules import reduce_op_of  # noqa: E402
 
 
 @pytest.mark.parametrize(
