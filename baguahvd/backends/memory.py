@@ -2,8 +2,9 @@
 
 An out-of-place result is new memory that the collective writes whole, and for a large
 tensor the first touch of its pages costs as much as the reduction: the kernel faults in
-and zeroes one 4 KB page at a time (a fresh 64 MB output on two ranks over shared memory:
-an allreduce into it took 40 ms, into reused memory 12 ms). :func:`empty_like` asks Linux
+and zeroes one 4 KB page at a time (on one machine an allreduce into a fresh 64 MB output
+took several times as long as into reused memory; ``benchmarks/results/shared_memory/NOTES.md``).
+:func:`empty_like` asks Linux
 for transparent huge pages on the 2 MB-aligned part of a large allocation, as NumPy does
 for its own arrays of 4 MB and more, so the same memory arrives in 512 times fewer faults.
 The memory stays the caller's ordinary tensor; nothing is pooled or shared.
@@ -46,8 +47,8 @@ def empty_huge(count: int, dtype: torch.dtype) -> torch.Tensor:
     the allocation is padded so that the tensor starts on a 2 MB boundary, and advised
     before it is touched. For long-lived buffers the engine reuses (the fusion buffer):
     Open MPI's single-copy transfers between ranks read and write them with 512 times fewer
-    page lookups, and a large message on 4 KB pages costs about a third more (16 MB on two
-    ranks here: 3.2-3.8 ms against 2.4-2.8 ms)."""
+    page lookups, and a large message on 4 KB pages costs about a third more
+    (``benchmarks/results/shared_memory/NOTES.md``)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = count * itemsize
     if nbytes < HUGE_PAGE_MIN_BYTES or _MADVISE is None:

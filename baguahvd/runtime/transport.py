@@ -18,21 +18,18 @@ BAGUAHVD_CPU_BACKEND (or Horovod's HOROVOD_CPU_OPERATIONS / HOROVOD_CONTROLLER):
   or the host has no RDMA or Slingshot device and no fabric PML/MTL was named). The choice
   is logged once by rank 0 (HOROVOD_LOG_LEVEL=info).
 
-Why, measured with ``benchmarks/algorithms.py`` (SGD-momentum MLP, 33.6 MB of fp32
-gradients, batch 64, two ranks, slowest rank's median step; README, "CPU transport"):
+Why (measured with ``benchmarks/algorithms.py`` and ``benchmarks/cpu_backend.py``; the
+figures are in ``benchmarks/results/data_plane/NOTES.md``):
 
-- one host (shared memory): MPI. ``hvd.allreduce`` over MPI took 0.23-0.26 ms at 16 KB,
-  0.37-0.81 ms at 1 MB and 7-21 ms at 16 MB against 3.3-5.0 ms, 3.1-5.3 ms and 23-24 ms over
-  gloo (``benchmarks/cpu_backend.py``); the default path's step 0.063 s against 0.085 s
-  (DDP 0.073 s).
+- one host (shared memory): MPI, which is faster than gloo for every size a training step
+  sends, and gives the shorter step.
 - two hosts over TCP (``benchmarks/emulated_cluster.sh``, Open MPI with btl_tcp_flags
-  send): gloo. The default path's step at 100 Mbit/s took 3.01 s over MPI against 2.84 s
-  over gloo (DDP 2.89 s), at 1 Gbit/s 0.331 s on both (DDP 0.322 s); MPI's blocking
-  collectives busy-poll, 2.84 CPU-seconds per step and rank at 100 Mbit/s against gloo's
-  0.12, which on small nodes takes the cores that backward needs. gloo's pairwise
-  exchanges are the exception (sendrecv and alltoall ran at half the link rate), so they
-  stay on MPI even then (:class:`~baguahvd.backends.gloo.split.TwinnedCommunicator`); with
-  that, bytegrad's step took 0.84 s against 0.96 s over MPI alone.
+  send): gloo. Its allreduce runs at the link rate as MPI's does, but MPI's blocking
+  collectives busy-poll, at many times gloo's CPU per step, which on small nodes takes the
+  cores that backward needs. gloo's pairwise exchanges are the exception (sendrecv and
+  alltoall ran at half the link rate), so they stay on MPI even then
+  (:class:`~baguahvd.backends.gloo.split.TwinnedCommunicator`), which also shortens
+  bytegrad's step against MPI alone.
 
 A job must never train alone by mistake: when the launcher's variables say there are
 several ranks but the chosen transport found a job of one, :func:`check_joined` raises.

@@ -116,7 +116,8 @@ class GlooCommunicator(Communicator):
 
     unfused_bytes = 8 << 20
     """A call costs about a millisecond even on one machine, so only large tensors gain
-    (16 tensors of 8 MiB: 167-177 ms alone against 189-195 ms fused; of 2 MiB, fused wins)."""
+    from a call of their own: at 8 MiB a tensor alone beats the copies through the fusion
+    buffer, at 2 MiB fusing still wins (``benchmarks/results/shared_memory/NOTES.md``)."""
 
     def __init__(self, group: Any, store: Any = None) -> None:
         self.group = group

@@ -82,8 +82,8 @@ class MPICommunicator(Communicator):
     """A :class:`Communicator` over an mpi4py communicator (CPU tensors)."""
 
     unfused_bytes = 2 << 20
-    """A call costs tens of microseconds; copying 2 MiB in and out costs more (on one
-    machine, 16 tensors of 2 MiB: 12-14 ms alone against 15-19 ms fused)."""
+    """A call costs tens of microseconds; copying 2 MiB in and out of the fusion buffer
+    costs more (``benchmarks/results/shared_memory/NOTES.md``)."""
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm

@@ -1,7 +1,7 @@
 """Large allreduces as a ring of point-to-point exchanges: a reduce-scatter, then an allgather.
 
 Open MPI's own ``MPI_Allreduce`` of a large message on one machine runs at about half the
-speed of this ring (64 MB on two ranks over shared memory: 22-26 ms against 10-12 ms), and
+speed of this ring (``benchmarks/results/shared_memory/NOTES.md``), and
 out of place it first copies the whole input into the output. Here every byte crosses to
 the next rank once per phase as one large message (a single copy through shared memory),
 each rank reduces with torch's vectorized kernels, and an out-of-place reduction receives
