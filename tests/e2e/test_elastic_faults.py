@@ -1,7 +1,8 @@
 """Faults injected into elastic commits, each with the guarantee it must keep.
 
-* kill -9 at random moments of commit writes: the newest intact commit loads afterwards, no
-  completed commit is lost, and what loads is exactly what was committed;
+* kill -9 at random moments of commit writes, synchronous and in the background: the
+  newest intact commit loads afterwards, no completed commit is lost, and what loads is
+  exactly what was committed;
 * truncated, altered (4 KB overwritten) and planted files: refused with the file named,
   the newest intact commit is used, and a planted pickle never runs;
 * a full disk (``ENOSPC`` at each write of a commit): the write fails with the error, and
@@ -9,7 +10,9 @@
 * SIGSTOP of a rank in an elastic job: the job ends with the peer/stall error instead of
   hanging, and its last commit stays intact;
 * end to end under ``baguahvdrun --elastic``: a damaged newest commit is refused and the
-  job resumes from the one before, ending with exactly the weights of an undisturbed run.
+  job resumes from the one before, and a rank killed while its commit is written in the
+  background resumes from an intact commit; both end with exactly the weights of an
+  undisturbed run.
 
 Every test adds to :data:`FIGURES`, printed at the end of the module (``-s``); README's
 elastic section quotes them.
@@ -36,11 +39,13 @@ import pytest
 import torch
 
 from baguahvd.torch.elastic.store import CheckpointStore, CommitError
+from baguahvd.torch.elastic.writer import CommitWriter
 from tests.support.elastic_job import launch_training, run_training_ok
 from tests.support.failing_jobs import FAST_FAILURE, STARTUP_SLACK_S, joined_logs, run_script
 
 FIGURES: Counter[str] = Counter()
 KILLS = 40
+BACKGROUND_KILLS = 15
 TENSOR_ELEMENTS = 1 << 20  # 4 MB payloads: a write takes long enough to be hit
 
 
@@ -114,6 +119,53 @@ def test_kill_9_at_random_moments_of_commit_writes(tmp_path: pathlib.Path) -> No
     FIGURES["completed commits lost"] += lost
     FIGURES["wrong results"] += 0
     assert completed > 0  # the kills did let writes finish in between
+
+
+def _background_writer(folder: str, start: int, done: Any) -> None:
+    writer = CommitWriter(CheckpointStore(folder, host="node-a"))
+    number = start
+    done.send(-1)  # ready
+    while True:
+        number += 1
+        writer.submit(number, _payload(number))  # returns once number - 1 is durable
+        done.send(number - 1)
+
+
+def test_kill_9_during_background_writes(tmp_path: pathlib.Path) -> None:
+    context = multiprocessing.get_context("fork")
+    chooser = random.Random(17)
+    folder = str(tmp_path)
+    CheckpointStore(folder, host="node-a").write(0, _payload(0))
+    completed = 0
+    for _ in range(BACKGROUND_KILLS):
+        receiver, sender = context.Pipe(duplex=False)
+        child = context.Process(
+            target=_background_writer, args=(folder, completed, sender), daemon=True
+        )
+        child.start()
+        sender.close()
+        assert receiver.poll(60) and receiver.recv() == -1
+        time.sleep(chooser.uniform(0.0, 0.15))
+        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        child.join()
+        while receiver.poll():
+            try:
+                completed = max(completed, receiver.recv())
+            except EOFError:
+                break
+        receiver.close()
+        FIGURES["faults injected"] += 1
+        number, payload = CheckpointStore(folder, host="reader").load_newest()
+        # The commit being written when the kill came may have become durable, or not.
+        assert number in (completed, completed + 1), (number, completed)
+        _check_payload(number, payload)
+        FIGURES["resumed"] += 1
+        completed = number
+    assert completed > 0
+    writer = CommitWriter(CheckpointStore(folder, host="node-a"))
+    writer.submit(completed + 1, _payload(completed + 1))
+    writer.wait()
+    assert len(os.listdir(folder)) == 5, os.listdir(folder)  # job.json, two commits
 
 
 def _two_commits(folder: pathlib.Path) -> CheckpointStore:
@@ -339,3 +391,34 @@ def test_a_rerun_on_a_finished_folder_trains_again(tmp_path: pathlib.Path) -> No
     assert first["steps"] == second["steps"] == 18
     for name, tensor in first["model"].items():
         assert torch.equal(tensor, second["model"][name]), name
+
+
+@pytest.mark.parallel
+def test_a_rank_killed_during_a_background_write_resumes_from_an_intact_commit(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The ballast, 16 MB of zeros that training leaves alone, makes a write take a while.
+    reference, _ = run_training_ok(["--elastic", "-np", "2"], tmp_path, tmp_path / "reference.pt")
+    folder = tmp_path / "commits"
+    # Commit 3 is at step 8: rank 0, which writes the host's commits, dies while it is
+    # being written; commit 2 (step 6) is durable.
+    killed, output = run_training_ok(
+        ["--elastic", "-np", "2", "--max-restarts", "1", "--checkpoint-dir", str(folder)],
+        tmp_path,
+        tmp_path / "killed.pt",
+        env={"BALLAST": str(4 << 20), "KILL_IN_WRITE_STEP": "8"},
+    )
+    assert "killing rank 0 during the write of commit 3" in output, output
+    assert (
+        "launch 1: rank 1 of 2 starts at step 6" in output
+        or "launch 1: rank 1 of 2 starts at step 8" in output  # the write won the race
+    ), output
+    assert "damaged" not in output and "falling back" not in output, output
+    FIGURES["faults injected"] += 1
+    assert killed["steps"] == 18
+    for name, tensor in reference["model"].items():
+        assert torch.equal(tensor, killed["model"][name]), name
+    # The killed writer's leftovers are gone: the host's last two commits remain.
+    assert len(list(folder.glob("commit-*.pt"))) == 2
+    assert not list(folder.glob(".commit-*"))
+    FIGURES["resumed"] += 1

@@ -1,8 +1,11 @@
 """The elastic training script of the end-to-end elastic suites, and how to launch it.
 
 A small deterministic model trained under ``baguahvdrun --elastic`` with commits, that can
-kill one of its ranks at a given step (``KILL_RANK``, ``KILL_STEP``) or ask for a bigger job
-(``GROW_AT_STEP``), and saves its final weights to ``OUT``. Used by
+kill one of its ranks at a given step (``KILL_RANK``, ``KILL_STEP``), kill the rank that
+writes the commits while the write of the commit at a given step runs in the background
+(``KILL_IN_WRITE_STEP``; ``BALLAST`` adds an untrained buffer of that many floats to the
+model, so that writes take a while), or ask for a bigger job (``GROW_AT_STEP``), and saves
+its final weights to ``OUT``. Used by
 ``tests/e2e/test_elastic.py`` and ``tests/e2e/test_elastic_faults.py``.
 """
 
@@ -36,6 +39,8 @@ EPOCHS, BATCH, COMMIT_EVERY = 3, 8, 4
 KILL_RANK = int(os.environ.get("KILL_RANK", "-1"))
 KILL_STEP = int(os.environ.get("KILL_STEP", "-1"))
 GROW_AT_STEP = int(os.environ.get("GROW_AT_STEP", "-1"))
+KILL_IN_WRITE_STEP = int(os.environ.get("KILL_IN_WRITE_STEP", "-1"))
+BALLAST = int(os.environ.get("BALLAST", "0"))
 OUT = os.environ["OUT"]
 
 hvd.init()
@@ -46,6 +51,8 @@ x = torch.randn(96, 8, generator=generator)
 y = x @ torch.randn(8, 1, generator=generator) + 0.1 * torch.randn(96, 1, generator=generator)
 dataset = TensorDataset(x, y)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+if BALLAST:
+    model.register_buffer("ballast", torch.zeros(BALLAST))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=3)
@@ -86,6 +93,11 @@ def train(state):
             sampler.record_batch(batch_idx, BATCH)
             if state.steps % COMMIT_EVERY == 0:
                 state.commit()
+                writer = state._writer
+                if launch == 0 and state.steps == KILL_IN_WRITE_STEP and writer and writer.busy:
+                    print(f"killing rank {hvd.rank()} during the write of commit "
+                          f"{state._commits}", flush=True)
+                    os.kill(os.getpid(), signal.SIGKILL)
         state.epoch += 1
         sampler.set_epoch(state.epoch)
         state.commit()
