@@ -223,8 +223,9 @@ def environment_page() -> str:
         "| launcher | variables |",
         "|---|---|",
     ]
-    for label, names in launcher_variables():
-        lines.append(f"| {label} | {', '.join(f'`{name}`' for name in names)} |")
+    for label, variables in launcher_variables():
+        listed = ", ".join(f"`{name}`" for name in variables)
+        lines.append(f"| {label} | {listed} |")
     lines.append("")
     return "\n".join(lines)
 

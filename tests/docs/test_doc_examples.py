@@ -8,6 +8,7 @@ the suite. Unmarked blocks are fragments and are not run.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -20,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 TIMEOUT_S = 60
+"""Seconds allowed per example."""
 _BLOCK = re.compile(
     r"^<!-- run(?::\s*np=(?P<np>\d+))?\s*-->\s*\n```python\n(?P<code>.*?)^```",
     re.MULTILINE | re.DOTALL,
@@ -46,30 +48,43 @@ def test_examples_are_found() -> None:
     assert any(ranks > 1 for _, ranks, _ in EXAMPLES)
 
 
-@pytest.mark.parametrize(
-    ("where", "ranks", "code"), EXAMPLES, ids=[where for where, _, _ in EXAMPLES]
-)
-def test_doc_example(where: str, ranks: int, code: str, tmp_path: Path) -> None:
-    script = tmp_path / "example.py"
-    script.write_text(code)
+# Starting Python and importing torch costs seconds, so the examples of one size run one
+# after another in one job, each in a fresh namespace; a failure names its page and line.
+_RUNNER = """
+import json, sys, traceback
+for where, code in json.load(open(sys.argv[1])):
+    try:
+        exec(compile(code, where, "exec"), {"__name__": "__main__"})
+    except BaseException:
+        traceback.print_exc()
+        print(f"FAILED: {where}", flush=True)
+        sys.exit(1)
+    print(f"passed: {where}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ranks", sorted({ranks for _, ranks, _ in EXAMPLES}))
+def test_doc_examples(ranks: int, tmp_path: Path) -> None:
+    examples = [(where, code) for where, n, code in EXAMPLES if n == ranks]
+    (tmp_path / "examples.json").write_text(json.dumps(examples))
+    (tmp_path / "runner.py").write_text(_RUNNER)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
-    if ranks == 1:
-        command = [sys.executable, str(script)]
-    else:
+    command = [sys.executable, "runner.py", "examples.json"]
+    if ranks > 1:
         mpirun = shutil.which("mpirun")
         if mpirun is None:
             pytest.skip("mpirun is not installed")
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        command = [mpirun, "-np", str(ranks), "--oversubscribe", "--bind-to", "none",
-                   sys.executable, str(script)]
+        command = [mpirun, "-np", str(ranks), "--oversubscribe", "--bind-to", "none", *command]
+    limit = TIMEOUT_S * len(examples)
     try:
         result = subprocess.run(
-            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+            command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=limit
         )
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{where} did not finish within {TIMEOUT_S} s:\n{exc.stdout}\n{exc.stderr}")
+        pytest.fail(f"the examples did not finish within {limit} s:\n{exc.stdout!r}\n{exc.stderr!r}")
     assert result.returncode == 0, (
-        f"{where} exited with {result.returncode}:\n{result.stdout}\n{result.stderr}"
+        f"exit status {result.returncode}:\n{result.stdout}\n{result.stderr}"
     )
