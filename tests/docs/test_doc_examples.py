@@ -84,7 +84,9 @@ def test_doc_examples(ranks: int, tmp_path: Path) -> None:
             command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=limit
         )
     except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"the examples did not finish within {limit} s:\n{exc.stdout!r}\n{exc.stderr!r}")
+        pytest.fail(
+            f"the examples did not finish within {limit} s:\n{exc.stdout!r}\n{exc.stderr!r}"
+        )
     assert result.returncode == 0, (
         f"exit status {result.returncode}:\n{result.stdout}\n{result.stderr}"
     )
