@@ -4,27 +4,29 @@ The same small CNN, data (scikit-learn's bundled 8x8 digits, no download), optim
 learning rate as the plain example. Run it with::
 
     baguahvdrun -np 2 python examples/lightning_digits.py
+    python examples/lightning_digits.py --devices 2      # Lightning starts the second rank
 
 Each rank runs this script and builds its own Trainer; Lightning gives each rank its shard of
-the data, shows the progress bar and writes checkpoints on rank 0 only. ``--algorithm NAME``
+the data, shows the progress bar and writes checkpoints on rank 0 only. ``--package
+pytorch_lightning`` trains with ``import pytorch_lightning as pl`` instead of
+``import lightning.pytorch as pl``; the strategy is the same. ``--algorithm NAME``
 picks one of Bagua's communication algorithms; with the weight-averaging ones (decentralized,
 low_precision_decentralized, async) the strategy averages the ranks' models before each
 validation and checkpoint.
 """
 
 import argparse
+import importlib
+import sys
 
-import lightning.pytorch as pl
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.data
-from lightning.pytorch.callbacks import ModelCheckpoint
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-import baguahvd.torch as hvd
-from baguahvd.lightning import BaguaHvdStrategy
+import baguahvd.lightning  # noqa: F401  (registers strategy="baguahvd" in both packages)
 
 parser = argparse.ArgumentParser(description="PyTorch Lightning digits example",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -39,8 +41,21 @@ parser.add_argument("--algorithm", default=None,
 parser.add_argument("--checkpoint-dir", default=None,
                     help="save a checkpoint here after every epoch (written by rank 0)")
 parser.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu or cuda")
+parser.add_argument("--devices", type=int, default=1,
+                    help="1 under baguahvdrun/mpirun/torchrun; N to let `python` start N ranks")
+parser.add_argument("--package", choices=["lightning", "pytorch_lightning"], default="lightning",
+                    help="the Lightning package: lightning.pytorch or pytorch_lightning")
 parser.add_argument("--no-progress-bar", action="store_true", default=False,
                     help="no progress bar (the per-epoch lines are still printed)")
+# Parsed here: the classes below derive from the chosen package's.
+args = parser.parse_args(sys.argv[1:] if __name__ == "__main__" else [])
+pl = importlib.import_module(
+    "lightning.pytorch" if args.package == "lightning" else "pytorch_lightning"
+)
+strategies = importlib.import_module(
+    "baguahvd.lightning.pytorch" if args.package == "lightning"
+    else "baguahvd.lightning.pytorch_lightning"
+)
 
 
 class Net(nn.Module):
@@ -86,7 +101,7 @@ class DigitsClassifier(pl.LightningModule):
 
     def configure_optimizers(self):
         # Horovod: scale the learning rate by the number of ranks (the global batch grows).
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr * hvd.size(),
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr * self.trainer.world_size,
                                momentum=self.hparams.momentum)
 
 
@@ -114,8 +129,8 @@ def datasets(seed):
 
 
 if __name__ == "__main__":
-    args = parser.parse_args()
-    hvd.init()
+    # No hvd.init() here: the strategy starts baguahvd once every rank exists (with
+    # --devices N, Lightning starts the other ranks when fit begins).
     torch.set_num_threads(1)
     pl.seed_everything(args.seed, verbose=False)
 
@@ -127,12 +142,12 @@ if __name__ == "__main__":
 
     callbacks = [PrintEpochs()]
     if args.checkpoint_dir:
-        callbacks.append(ModelCheckpoint(dirpath=args.checkpoint_dir, save_top_k=-1,
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.checkpoint_dir, save_top_k=-1,
                                          filename="checkpoint-{epoch}"))
     trainer = pl.Trainer(
-        strategy=BaguaHvdStrategy(algorithm=args.algorithm),  # or strategy="baguahvd"
+        strategy=strategies.BaguaHvdStrategy(algorithm=args.algorithm),  # or "baguahvd"
         accelerator=args.accelerator,
-        devices=1,
+        devices=args.devices,
         max_epochs=args.epochs,
         logger=False,
         callbacks=callbacks,
