@@ -33,8 +33,11 @@ class BaguaStrategyMixin(BaguaHvdStrategyMixin):
             algorithm name), or an algorithm object.
         flatten: Bagua's choice of flattening the communication buckets; baguahvd
             communicates each bucket as one flat buffer regardless, so ``False`` warns.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
-            as for :class:`BaguaHvdStrategy`.
+        accelerator: as for :class:`BaguaHvdStrategy`.
+        parallel_devices: as for :class:`BaguaHvdStrategy`.
+        cluster_environment: as for :class:`BaguaHvdStrategy`.
+        checkpoint_io: as for :class:`BaguaHvdStrategy`.
+        precision_plugin: as for :class:`BaguaHvdStrategy`.
         **bagua_kwargs: the algorithm's keyword arguments, as Bagua's (``hierarchical``,
             ``average``, ``peer_selection_mode``, ``communication_interval``,
             ``sync_interval_ms``, ``warmup_steps``, ``q_adam_optimizer``).
