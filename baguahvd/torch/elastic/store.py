@@ -255,7 +255,7 @@ class CheckpointStore:
         check_plain(payload, "commit")
         buffer = io.BytesIO()
         torch.save(payload, buffer)
-        data = buffer.getvalue()
+        data = buffer.getbuffer()  # a view: no second copy of a large payload
         digest = hashlib.sha256(data).hexdigest()
         base = f"commit-{number}.{self.host}"
         payload_path, manifest_path = self._path(f"{base}.pt"), self._path(f"{base}.json")
@@ -408,7 +408,7 @@ class CheckpointStore:
                 f"loaded: {str(error).splitlines()[0]}"
             ) from None
 
-    def _temporary(self, data: bytes) -> str:
+    def _temporary(self, data: bytes | memoryview) -> str:
         descriptor, temporary = tempfile.mkstemp(prefix=self._temporary_prefix, dir=self.folder)
         try:
             _write_all(descriptor, data)
@@ -441,7 +441,7 @@ def _job_record(job_id: str) -> bytes:
     return json.dumps({"job_id": job_id, "format": protocol.COMMIT_FORMAT}).encode()
 
 
-def _write_all(descriptor: int, data: bytes) -> None:
+def _write_all(descriptor: int, data: bytes | memoryview) -> None:
     """Writes ``data`` to the descriptor, fsyncs and closes it."""
     try:
         view = memoryview(data)
