@@ -33,6 +33,13 @@ import torch
 from baguahvd.common.ops import ReduceOp
 
 
+def byte_counts(tensor: torch.Tensor, counts: Sequence[int]) -> list[int]:
+    """Per-member element counts as bytes of ``tensor``'s dtype: the host backends move a
+    collective's data as bytes."""
+    item = tensor.element_size()
+    return [count * item for count in counts]
+
+
 class Communicator(abc.ABC):
     """Collectives over a fixed group of ranks."""
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from baguahvd.backends.base import Communicator
+from baguahvd.backends.base import Communicator, byte_counts
 from baguahvd.common.ops import ReduceOp
 
 _GLOO_OPS: dict[ReduceOp, Any] = {
@@ -188,9 +188,8 @@ class GlooCommunicator(Communicator):
         tensor_out: torch.Tensor,
         recv_counts: Sequence[int],
     ) -> None:
-        item = tensor_in.element_size()
-        send = [c * item for c in send_counts]
-        recv = [c * item for c in recv_counts]
+        send = byte_counts(tensor_in, send_counts)
+        recv = byte_counts(tensor_in, recv_counts)
         source = _bytes(tensor_in.contiguous())[: sum(send)]
         target = _bytes(_contiguous(tensor_out))[: sum(recv)]
         wait(self.group.alltoall_base(target, source, recv, send, dist.AllToAllOptions()))

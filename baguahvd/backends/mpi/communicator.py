@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from baguahvd.backends.base import Communicator
+from baguahvd.backends.base import Communicator, byte_counts
 from baguahvd.backends.mpi import ring
 from baguahvd.backends.nccl import NCCLCommunicator
 from baguahvd.common.ops import ReduceOp
@@ -137,11 +137,10 @@ class MPICommunicator(Communicator):
     def allgather(
         self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, counts: Sequence[int]
     ) -> None:
-        item = tensor_out.element_size()
-        byte_counts = [c * item for c in counts]
-        displs = np.cumsum([0, *byte_counts[:-1]]).tolist()
+        sizes = byte_counts(tensor_out, counts)
+        displs = np.cumsum([0, *sizes[:-1]]).tolist()
         self.comm.Allgatherv(
-            [_bytes(tensor_in), MPI.BYTE], [_bytes(tensor_out), (byte_counts, displs), MPI.BYTE]
+            [_bytes(tensor_in), MPI.BYTE], [_bytes(tensor_out), (sizes, displs), MPI.BYTE]
         )
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
@@ -154,9 +153,8 @@ class MPICommunicator(Communicator):
         tensor_out: torch.Tensor,
         recv_counts: Sequence[int],
     ) -> None:
-        item = tensor_in.element_size()
-        send = [c * item for c in send_counts]
-        recv = [c * item for c in recv_counts]
+        send = byte_counts(tensor_in, send_counts)
+        recv = byte_counts(tensor_in, recv_counts)
         send_displs = np.cumsum([0, *send[:-1]]).tolist()
         recv_displs = np.cumsum([0, *recv[:-1]]).tolist()
         self.comm.Alltoallv(
