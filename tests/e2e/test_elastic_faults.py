@@ -81,6 +81,35 @@ def _writer(folder: str, start: int, done: Any) -> None:
         done.send(number)
 
 
+def _kill_writer(
+    context: Any, target: Any, folder: str, completed: int, chooser: random.Random
+) -> tuple[int, int]:
+    """Starts ``target`` writing commits after ``completed`` in a child, kills it with
+    SIGKILL at a random moment and loads the newest commit: every commit the child reported
+    durable must be there, and the one being written may be too. Returns the newest commit
+    the child reported and the one loaded."""
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=target, args=(folder, completed, sender), daemon=True)
+    child.start()
+    sender.close()
+    assert receiver.poll(60) and receiver.recv() == -1
+    time.sleep(chooser.uniform(0.0, 0.15))
+    os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
+    child.join()
+    while receiver.poll():
+        try:
+            completed = max(completed, receiver.recv())
+        except EOFError:
+            break
+    receiver.close()
+    FIGURES["faults injected"] += 1
+    number, payload = CheckpointStore(folder, host="reader").load_newest()
+    assert number in (completed, completed + 1), (number, completed)
+    _check_payload(number, payload)
+    FIGURES["resumed"] += 1
+    return completed, number
+
+
 def test_kill_9_at_random_moments_of_commit_writes(tmp_path: pathlib.Path) -> None:
     context = multiprocessing.get_context("fork")
     chooser = random.Random(13)
@@ -89,26 +118,7 @@ def test_kill_9_at_random_moments_of_commit_writes(tmp_path: pathlib.Path) -> No
     completed = 0
     lost = 0
     for _ in range(KILLS):
-        receiver, sender = context.Pipe(duplex=False)
-        child = context.Process(target=_writer, args=(folder, completed, sender), daemon=True)
-        child.start()
-        sender.close()
-        assert receiver.poll(60) and receiver.recv() == -1
-        time.sleep(chooser.uniform(0.0, 0.15))
-        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
-        child.join()
-        while receiver.poll():
-            try:
-                completed = max(completed, receiver.recv())
-            except EOFError:
-                break
-        receiver.close()
-        FIGURES["faults injected"] += 1
-        number, payload = CheckpointStore(folder, host="reader").load_newest()
-        # Every commit whose write returned is there; the one being written may be too.
-        assert number in (completed, completed + 1), (number, completed)
-        _check_payload(number, payload)
-        FIGURES["resumed"] += 1
+        completed, number = _kill_writer(context, _writer, folder, completed, chooser)
         lost += completed - number if number < completed else 0
         completed = max(completed, number)
     assert lost == 0
@@ -138,29 +148,7 @@ def test_kill_9_during_background_writes(tmp_path: pathlib.Path) -> None:
     CheckpointStore(folder, host="node-a").write(0, _payload(0))
     completed = 0
     for _ in range(BACKGROUND_KILLS):
-        receiver, sender = context.Pipe(duplex=False)
-        child = context.Process(
-            target=_background_writer, args=(folder, completed, sender), daemon=True
-        )
-        child.start()
-        sender.close()
-        assert receiver.poll(60) and receiver.recv() == -1
-        time.sleep(chooser.uniform(0.0, 0.15))
-        os.kill(child.pid, signal.SIGKILL)  # type: ignore[arg-type]
-        child.join()
-        while receiver.poll():
-            try:
-                completed = max(completed, receiver.recv())
-            except EOFError:
-                break
-        receiver.close()
-        FIGURES["faults injected"] += 1
-        number, payload = CheckpointStore(folder, host="reader").load_newest()
-        # The commit being written when the kill came may have become durable, or not.
-        assert number in (completed, completed + 1), (number, completed)
-        _check_payload(number, payload)
-        FIGURES["resumed"] += 1
-        completed = number
+        _, completed = _kill_writer(context, _background_writer, folder, completed, chooser)
     assert completed > 0
     writer = CommitWriter(CheckpointStore(folder, host="node-a"))
     writer.submit(completed + 1, _payload(completed + 1))
