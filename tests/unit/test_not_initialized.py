@@ -7,44 +7,22 @@ and prints ``OK`` at the end.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.jobs import run_one_rank
 
 _PRELUDE = """
-import pytest
-import torch
-import baguahvd.torch as hvd
 from baguahvd.common.exceptions import NOT_INITIALIZED_MESSAGE, SHUT_DOWN_MESSAGE
 """
 
 
 def _run(body: str, **env: str) -> None:
-    environment = {
-        k: v for k, v in os.environ.items()
-        if not k.startswith(("OMPI_", "PMI_", "PMIX_", "HOROVOD_", "BAGUAHVD_"))
-    }
-    environment.update(
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        OMP_NUM_THREADS="1",
-        **env,
-    )
-    script = _PRELUDE + textwrap.dedent(body) + "\nprint('OK')\n"
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, env=environment, capture_output=True,
-        text=True, timeout=120,
-    )
-    if result.returncode != 0 or not result.stdout.rstrip().endswith("OK"):
-        pytest.fail(
-            f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}",
-            pytrace=False,
-        )
+    result = run_one_rank(_PRELUDE + textwrap.dedent(body) + "\nprint('OK')\n", **env)
+    if not result.stdout.rstrip().endswith("OK"):
+        pytest.fail(f"no OK at the end\n--- stdout\n{result.stdout}\n--- stderr\n"
+                    f"{result.stderr}", pytrace=False)
 
 
 def test_before_init_and_a_failed_init() -> None:
