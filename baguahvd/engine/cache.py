@@ -9,8 +9,8 @@ them and negotiate those names in full again.
 
 What may be cached is one rule (:func:`cache_key`): named data collectives, under their
 name, and unnamed allreduces and broadcasts of the global set, under what they move (op,
-dtype, shapes, device, reduce op, factors and root). Unnamed requests are paired by their
-order, so their own keys mean nothing from one step to the next; the negotiator lets only
+dtype, shapes, device, reduce op, factors, root and fusion). Unnamed requests are paired by
+their order, so their own keys mean nothing from one step to the next; the negotiator lets only
 the oldest unnamed request of a rank use the cache (see
 :mod:`~baguahvd.engine.negotiation`), so the ranks' bits still pair the n-th unnamed call of
 every rank. Barriers, joins and process-set changes are rare and carry no shape worth
@@ -67,7 +67,7 @@ def cache_key(item: RequestMeta | Response) -> Hashable | None:
         return None
     return (
         UNNAMED_PREFIX, op, item.dtype, item.shapes, item.device, item.reduce_op, item.prescale,
-        item.postscale, item.root,
+        item.postscale, item.root, item.fuse,
     )
 
 

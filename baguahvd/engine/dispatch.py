@@ -39,7 +39,7 @@ from baguahvd.backends.base import Communicator, DeviceCommFactory, SelfCommunic
 from baguahvd.common.exceptions import HorovodInternalError, MismatchError
 from baguahvd.engine import execute
 from baguahvd.engine.completion import CollectiveFailure, Completions, keep_named
-from baguahvd.engine.execute import FusionBuffers, FusionPool
+from baguahvd.engine.execute import ByteCount, FusionBuffers, FusionPool
 from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, build_response
 from baguahvd.engine.process_sets import ProcessSetState
@@ -132,6 +132,8 @@ class Dispatcher:
         """The CUDA device of this rank's submissions (where its joined zeros go)."""
         self.pending = Completions()
         """Device units launched and not completed yet."""
+        self.fusion_bytes = ByteCount()
+        """Bytes copied into and out of fusion buffers, by every thread that runs units."""
         self._alone = threading.local()
         """Per user thread: the :class:`_Run` of the single-member collectives it runs."""
         self.capture_relaxed = False
@@ -363,13 +365,19 @@ class Dispatcher:
             return
         op = response.op
         if op == OpType.ALLREDUCE:
+            copied = self.fusion_bytes
             if run is None:
-                execute.allreduce(comm, unit, self.buffers, phase, self.user_device)
+                execute.allreduce(
+                    comm, unit, self.buffers, phase, self.user_device, copied=copied
+                )
             elif run.complete is None:
-                execute.allreduce(comm, unit, run.buffers, phase, self.user_device)
+                execute.allreduce(
+                    comm, unit, run.buffers, phase, self.user_device, copied=copied
+                )
             else:
                 run.rest = execute.allreduce(
-                    comm, unit, run.buffers, phase, self.user_device, split=True
+                    comm, unit, run.buffers, phase, self.user_device, split=True,
+                    copied=copied,
                 )
             self.complete_all(requests, run)
             return

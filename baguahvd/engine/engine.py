@@ -71,7 +71,6 @@ from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline
 from baguahvd.engine.watchdog import Watchdog, process_identity
 
-# GLOBAL_PROCESS_SET_ID lives in messages; importers of the engine find it here too.
 __all__ = ["GLOBAL_PROCESS_SET_ID", "Engine"]
 
 logger = logging.getLogger("baguahvd.engine")
@@ -323,6 +322,7 @@ class Engine:
         splits: Sequence[int] | None = None,
         payload: Sequence[int] = (),
         blocking: bool = False,
+        fuse: bool = True,
     ) -> Handle:
         """Queues a collective and returns its handle.
 
@@ -339,6 +339,7 @@ class Engine:
             splits: alltoall splits (dim-0 slices per member).
             blocking: the caller waits for the handle right away: the engine thread is
                 woken when it does, once, rather than at the submission too.
+            fuse: False runs an allreduce alone, in place, never fused (as every member).
         """
         stopped = self._lifecycle.error
         if stopped is not None:
@@ -348,7 +349,7 @@ class Engine:
             raise ProcessSetError(not_member_message(label, state, self.rank))
         request = self._queue.make_request(
             op, label, process_set_id, inputs, outputs, name, reduce_op, prescale, postscale,
-            root, splits, payload,
+            root, splits, payload, fuse,
         )
         request.activity = self._activity.name
         if len(state.ranks) == 1:
@@ -389,6 +390,11 @@ class Engine:
         )
         request.meta = request.meta._replace(failure=reason)
         self._queue.put(request, self._stop_error)
+
+    @property
+    def fusion_bytes(self) -> int:
+        """Bytes this rank has copied into and out of fusion buffers since it started."""
+        return self._dispatch.fusion_bytes.value
 
     @property
     def full_negotiations(self) -> int:

@@ -9,6 +9,7 @@ communicator averages floating tensors itself (NCCL's ``ncclAvg``) and there is 
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -137,6 +138,19 @@ class FusionBuffers:
         return buffer, views
 
 
+class ByteCount:
+    """A running total of bytes that several threads add to (the engine thread and the
+    user threads that run single-member sets' collectives)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.value = 0
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.value += nbytes
+
+
 class FusionPool:
     """The fusion buffers of one device communicator's units, one :class:`FusionBuffers` per
     unit in flight.
@@ -223,6 +237,7 @@ def allreduce(
     phase: Callable[[str], None] | None = None,
     user_device: torch.device | None = None,
     split: bool = False,
+    copied: ByteCount | None = None,
 ) -> Callable[[], None] | None:
     """Allreduces every tensor of ``entries`` (same dtype, op and factors) in one call.
 
@@ -235,6 +250,10 @@ def allreduce(
     caller to run once the communication has finished without error; None when nothing is
     left (an unfused tensor without a postscale, which the communication writes itself).
     Without ``split`` everything runs here and None is returned.
+
+    ``copied`` counts the bytes copied into and out of the fusion buffer. An allreduce
+    submitted with ``fuse=False`` (a unit of its own) reduces each of its tensors in place,
+    without the buffer.
     """
     if phase is None:
         phase = _no_phase
@@ -267,40 +286,67 @@ def allreduce(
             zeros, _ = _inputs_outputs(entry, dtype, comm, user_device)
             inputs += zeros
             outputs += zeros
-    if len(inputs) == 1:
-        tensor_in, tensor_out = inputs[0], outputs[0]
-        source = scaled(tensor_in, pre) if pre != 1.0 else tensor_in
+    if len(inputs) == 1 or not first.fuse:
         phase("COMMUNICATE")
-        if split and post != 1.0:
-            comm.allreduce(source, tensor_out, op)
-            return lambda: scale_(tensor_out, post)
-        _reduce_scaled(comm, source, tensor_out, op, post)
-        return None
+        rests = [
+            rest
+            for tensor_in, tensor_out in zip(inputs, outputs)
+            if (rest := _allreduce_alone(comm, tensor_in, tensor_out, op, pre, post, split))
+        ]
+        if len(rests) < 2:
+            return rests[0] if rests else None
+
+        def rest_of_all() -> None:
+            for rest in rests:
+                rest()
+
+        return rest_of_all
     phase("MEMCPY_IN_FUSION_BUFFER")
     shapes = tuple(shape for entry in entries for shape in entry[0].shapes)
     buffer, views = buffers.views(dtype, inputs[0].device, shapes, first.device == "CPU")
+    nbytes = buffer.numel() * buffer.element_size()
     # One call each way rather than a copy per tensor: fewer GIL round trips while the
     # training thread is busy submitting.
     _copy_all(views, inputs)
+    if copied is not None:
+        copied.add(nbytes)
     scale_(buffer, pre)
     phase("COMMUNICATE")
     if split:
         comm.allreduce(buffer, buffer, op)
-        return lambda: _scale_and_copy_out(buffer, views, outputs, post, phase)
+        return lambda: _scale_and_copy_out(buffer, views, outputs, post, phase, copied)
     _reduce_scaled(comm, buffer, buffer, op, post)
     phase("MEMCPY_OUT_FUSION_BUFFER")
     _copy_all(outputs, views)
+    if copied is not None:
+        copied.add(nbytes)
+    return None
+
+
+def _allreduce_alone(
+    comm: Communicator, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp,
+    pre: float, post: float, split: bool,
+) -> Callable[[], None] | None:
+    """One tensor's allreduce without the fusion buffer; with ``split``, returns the
+    scaling after it where there is one (see :func:`allreduce`)."""
+    source = scaled(tensor_in, pre) if pre != 1.0 else tensor_in
+    if split and post != 1.0:
+        comm.allreduce(source, tensor_out, op)
+        return lambda: scale_(tensor_out, post)
+    _reduce_scaled(comm, source, tensor_out, op, post)
     return None
 
 
 def _scale_and_copy_out(
     buffer: torch.Tensor, views: list[torch.Tensor], outputs: list[torch.Tensor], post: float,
-    phase: Callable[[str], None],
+    phase: Callable[[str], None], copied: ByteCount | None,
 ) -> None:
     """The rest of a split fused allreduce (see :func:`allreduce`)."""
     scale_(buffer, post)
     phase("MEMCPY_OUT_FUSION_BUFFER")
     _copy_all(outputs, views)
+    if copied is not None:
+        copied.add(buffer.numel() * buffer.element_size())
 
 
 def _reduce_scaled(

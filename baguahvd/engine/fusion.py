@@ -4,16 +4,16 @@ A pure function of the cycle's agreed responses (in the agreed order, identical 
 rank) and the threshold, so every rank makes the same plan. Allreduces with the same process
 set, dtype, reduce op, scale factors and device share a unit while the unit's bytes stay
 within ``HOROVOD_FUSION_THRESHOLD``; everything else (other collectives, errors, Adasum,
-grouped allreduces when group fusion is disabled, and single CPU tensors as large as their
-process set's ``unfused`` size, which are cheaper reduced alone than copied in and out of the
-fusion buffer) runs alone. Units keep the order of their first entry, with one exception: a
-large CPU tensor that runs alone goes ahead of the fused units of its process set that the
-cycle's earlier entries opened (up to that set's previous unit of any other kind), so that its
-transfer, which the link spends most of a step on, starts first, and the small tensors' calls
-follow it. Over a slow link a small call made while the backward pass keeps every core busy
-takes milliseconds during which the link would otherwise idle. Entries keep their order
-inside a unit. Every member of a set sees the same entries of that set, so every member
-makes the same moves.
+allreduces submitted with ``fuse=False``, grouped allreduces when group fusion is disabled,
+and single CPU tensors as large as their process set's ``unfused`` size, which are cheaper
+reduced alone than copied in and out of the fusion buffer) runs alone. Units keep the order
+of their first entry, with one exception: a large CPU tensor that runs alone goes ahead of
+the fused units of its process set that the cycle's earlier entries opened (up to that set's
+previous unit of any other kind), so that its transfer, which the link spends most of a step
+on, starts first, and the small tensors' calls follow it. Over a slow link a small call made
+while the backward pass keeps every core busy takes milliseconds during which the link would
+otherwise idle. Entries keep their order inside a unit. Every member of a set sees the same
+entries of that set, so every member makes the same moves.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def plan_fusion(
             response.op != _ALLREDUCE
             or response.error is not None
             or response.reduce_op == _ADASUM
+            or not response.fuse
             or (disable_group_fusion and len(shapes) > 1)
         ):
             units.append([entry])

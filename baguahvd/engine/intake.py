@@ -119,6 +119,7 @@ class RequestQueue:
         root: int,
         splits: Sequence[int] | None,
         payload: Sequence[int],
+        fuse: bool = True,
     ) -> Request:
         """The request of one call (see :meth:`~baguahvd.engine.engine.Engine.submit`).
 
@@ -174,6 +175,7 @@ class RequestQueue:
             tuple(payload),
             "",
             site,
+            fuse,
         )
         return Request(meta, inputs, outputs)
 

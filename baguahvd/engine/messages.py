@@ -101,6 +101,9 @@ class RequestMeta(NamedTuple):
     a cached signature: it invalidates the entry of its name instead of hitting it."""
     site: str = ""
     """``file:line`` of the user's call, for unnamed requests with BAGUAHVD_CHECK_CALL_SITES."""
+    fuse: bool = True
+    """Allreduce: whether it may share a fusion buffer with others; False runs it alone, in
+    place on its own tensors."""
 
     def signature(self) -> tuple[object, ...]:
         """Everything that must match for a cached response to be reused by this rank: the
@@ -132,6 +135,8 @@ class Response(NamedTuple):
     joined: tuple[int, ...] = ()
     """Members that have called join() and take part with zeros."""
     last_joined: int = -1
+    fuse: bool = True
+    """Allreduce: False runs it as a unit of its own, in place on its tensors."""
 
 
 def _shape(shape: Sequence[int]) -> str:
@@ -236,6 +241,9 @@ def _describe_first_mismatch(
     if other := _first_different(metas, lambda m: m.payload):
         return (f"Mismatched {label} arguments for {name}: rank {first.rank} sent "
                 f"{list(first.payload)}, but rank {other.rank} sent {list(other.payload)}.")
+    if other := _first_different(metas, lambda m: m.fuse):
+        return (f"Mismatched {label} fusion for {name}: rank {first.rank} sent fuse="
+                f"{first.fuse}, but rank {other.rank} sent fuse={other.fuse}.")
     return None
 
 
@@ -290,4 +298,5 @@ def build_response(
         splits=splits,
         payload=first.payload,
         joined=tuple(joined),
+        fuse=first.fuse,
     )

@@ -83,6 +83,18 @@ def test_errors_adasum_and_other_collectives_run_alone() -> None:
     ]
 
 
+def test_allreduces_submitted_with_fuse_false_run_alone() -> None:
+    entries = [
+        _allreduce("a", 1),
+        _allreduce("own", 1, fuse=False),
+        _allreduce("own_group", 0, shapes=((1,), (2,)), fuse=False),
+        _allreduce("b", 1),
+    ]
+    assert _names(plan_fusion(entries, threshold=1024)) == [
+        ["a", "b"], ["own"], ["own_group"]
+    ]
+
+
 def test_grouped_allreduces_run_alone_when_group_fusion_is_disabled() -> None:
     grouped = _allreduce("group", 0, shapes=((1,), (2,)))
     entries = [_allreduce("a", 1), grouped, _allreduce("b", 1)]
@@ -198,6 +210,7 @@ def test_unnamed_allreduces_and_broadcasts_of_the_global_set_are_cached_under_wh
     assert cache_key(first) == cache_key(later) != cache_key(response)
     assert cache_key(first) != cache_key(first._replace(shapes=((2,),)))
     assert cache_key(first) != cache_key(first._replace(postscale=0.5))
+    assert cache_key(first) != cache_key(first._replace(fuse=False))
     assert cache_key(first._replace(process_set_id=1)) is None
     assert cache_key(first._replace(op=OpType.ALLGATHER)) is None
     broadcast = first._replace(op=OpType.BROADCAST, root=0)

@@ -110,6 +110,17 @@ def test_device_mismatch() -> None:
     assert "device CPU" in message and "device GPU:0" in message
 
 
+def test_fusion_mismatch() -> None:
+    message = _error([_meta(0), _meta(1, fuse=False)])
+    assert "Mismatched ALLREDUCE fusion for allreduce.w" in message
+    assert "rank 0 sent fuse=True, but rank 1 sent fuse=False" in message
+
+
+def test_the_agreed_response_keeps_the_requests_fusion() -> None:
+    assert build_response([_meta(0, fuse=False), _meta(1, fuse=False)], (0, 1), ()).fuse is False
+    assert build_response([_meta(0), _meta(1)], (0, 1), ()).fuse is True
+
+
 def test_group_size_mismatch() -> None:
     message = _error([_meta(0, shapes=((2,),)), _meta(1, shapes=((2,), (3,)))])
     assert "rank 0 sent 1 tensors, but rank 1 sent 2" in message
@@ -396,7 +407,10 @@ def test_config_is_frozen() -> None:
 # execute on a one-rank group
 
 
-def _allreduce(tensors, reduce_op=ReduceOp.SUM, prescale=1.0, postscale=1.0, in_place=False):
+def _allreduce(
+    tensors, reduce_op=ReduceOp.SUM, prescale=1.0, postscale=1.0, in_place=False,
+    copied=None,
+):
     """Runs one (possibly fused) allreduce unit over SelfCommunicator; returns the outputs."""
     entries = []
     for index, tensor in enumerate(tensors):
@@ -408,8 +422,36 @@ def _allreduce(tensors, reduce_op=ReduceOp.SUM, prescale=1.0, postscale=1.0, in_
         output = tensor if in_place else torch.empty_like(tensor)
         request = Request(meta, [tensor], [output])
         entries.append((build_response([meta], (0,), ()), request))
-    execute.allreduce(SelfCommunicator(), entries, execute.FusionBuffers())
+    execute.allreduce(SelfCommunicator(), entries, execute.FusionBuffers(), copied=copied)
     return [request.outputs[0] for _, request in entries]
+
+
+def test_a_fused_unit_counts_the_bytes_it_copies_in_and_out() -> None:
+    copied = execute.ByteCount()
+    _allreduce([torch.ones(3), torch.ones(5)], copied=copied)
+    assert copied.value == 2 * 8 * 4
+    _allreduce([torch.ones(7)], copied=copied)
+    assert copied.value == 2 * 8 * 4
+
+
+def test_a_group_submitted_with_fuse_false_reduces_in_place_without_the_buffer() -> None:
+    tensors = [torch.full((3,), 2.0), torch.full((2, 2), 4.0)]
+    meta = RequestMeta(
+        key="g", name="allreduce.g", op=OpType.ALLREDUCE, process_set_id=0, rank=0,
+        dtype="float32", shapes=tuple(tuple(t.shape) for t in tensors), postscale=0.5,
+        fuse=False,
+    )
+    request = Request(meta, tensors, tensors)
+    copied = execute.ByteCount()
+    buffers = execute.FusionBuffers()
+    execute.allreduce(
+        SelfCommunicator(), [(build_response([meta], (0,), ()), request)], buffers,
+        copied=copied,
+    )
+    assert copied.value == 0
+    assert buffers._buffers == {}
+    assert tensors[0].tolist() == [1.0] * 3
+    assert tensors[1].tolist() == [[2.0, 2.0]] * 2
 
 
 @pytest.mark.parametrize("op", [op for op in ReduceOp if op is not ReduceOp.ADASUM])

@@ -42,10 +42,12 @@ def job() -> Iterator[Job]:
 def _allreduce(
     engine: Engine, tensor: torch.Tensor, name: str | None,
     process_set_id: int = GLOBAL_PROCESS_SET_ID, op: ReduceOp = ReduceOp.SUM,
+    fuse: bool = True,
 ) -> Handle:
     out = torch.empty_like(tensor)
     return engine.submit(
-        OpType.ALLREDUCE, "allreduce", process_set_id, [tensor], [out], name=name, reduce_op=op
+        OpType.ALLREDUCE, "allreduce", process_set_id, [tensor], [out], name=name, reduce_op=op,
+        fuse=fuse,
     )
 
 
@@ -81,6 +83,50 @@ def test_every_collective_kind_runs_in_one_cycle(job: Job) -> None:
         assert gathered[0].tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 2.0]
         assert broadcast[0].tolist() == [2.0]
         assert barrier is None
+
+
+def test_small_allreduces_copy_through_the_fusion_buffer_unless_submitted_alone(
+    job: Job,
+) -> None:
+    def step(fuse: bool) -> list[tuple[list[float], int]]:
+        def body(rank: int, engine: Engine) -> tuple[list[float], int]:
+            before = engine.fusion_bytes
+            handles = [_allreduce(engine, torch.full((4,), float(rank)), f"t{i}", fuse=fuse)
+                       for i in range(3)]
+            # One wait for the whole burst: the three are agreed in one cycle.
+            results = [_result(handle).sum().item() for handle in reversed(handles)]
+            return results, engine.fusion_bytes - before
+
+        return job.run(body)
+
+    for results, copied in step(fuse=False):
+        assert results == [12.0] * 3
+        assert copied == 0
+    fused = False
+    # The three meet in one cycle unless a loaded machine splits the burst: retry then.
+    for _ in range(20):
+        steps = step(fuse=True)
+        for results, copied in steps:
+            assert results == [12.0] * 3
+            # In and out of the buffer, whatever units the cycles made.
+            assert copied % (2 * 4 * 4) == 0
+        if all(copied > 0 for _, copied in steps):
+            fused = True
+            break
+    assert fused
+    for _, copied in step(fuse=False):
+        assert copied == 0
+
+
+def test_ranks_that_disagree_on_fusion_get_a_mismatch(job: Job) -> None:
+    def body(rank: int, engine: Engine) -> str:
+        with pytest.raises(MismatchError) as info:
+            _allreduce(engine, torch.ones(2), "w", fuse=rank != 1).wait()
+        return str(info.value)
+
+    messages = job.run(body)
+    assert len(set(messages)) == 1
+    assert "fusion" in messages[0] and "fuse=False" in messages[0]
 
 
 def test_unnamed_requests_match_by_order(job: Job) -> None:
