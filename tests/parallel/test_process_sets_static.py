@@ -15,6 +15,9 @@ from mpi4py import MPI
 
 import baguahvd.torch as hvd
 
+if "OMPI_COMM_WORLD_SIZE" not in os.environ:
+    pytest.skip("runs on every rank of an mpirun job", allow_module_level=True)
+
 _WORLD_SIZE = int(os.environ["OMPI_COMM_WORLD_SIZE"])
 _WORLD_RANK = int(os.environ["OMPI_COMM_WORLD_RANK"])
 

@@ -38,3 +38,56 @@ def test_empty_huge_is_a_flat_writable_tensor(count: int, dtype: torch.dtype) ->
         assert out.data_ptr() % (2 << 20) == 0
     out.fill_(3)
     assert torch.all(out == 3)
+
+
+class _Advice:
+    """Stands in for madvise: records each (address, length, advice) and accepts it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int, int]] = []
+
+    def __call__(self, address: int, length: int, advice: int) -> int:
+        self.calls.append((address, length, advice))
+        return 0
+
+
+@pytest.mark.parametrize("nbytes", [memory.HUGE_PAGE_MIN_BYTES, (9 << 20) + 12])
+def test_empty_like_advises_huge_pages_on_every_whole_huge_page_of_a_large_result(
+    nbytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    advice = _Advice()
+    monkeypatch.setattr(memory, "_MADVISE", advice)
+    out = memory.empty_like(torch.empty(nbytes, dtype=torch.uint8))
+    [(address, length, flag)] = advice.calls
+    huge = 2 << 20
+    first, end = out.data_ptr(), out.data_ptr() + nbytes
+    assert flag == memory._MADV_HUGEPAGE
+    assert address % huge == 0 and length % huge == 0
+    # Inside the tensor, and every whole huge page of it.
+    assert first <= address and address + length <= end
+    assert address - first < huge and end - (address + length) < huge
+
+
+def test_empty_like_leaves_small_and_non_cpu_results_alone(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    advice = _Advice()
+    monkeypatch.setattr(memory, "_MADVISE", advice)
+    memory.empty_like(torch.empty(memory.HUGE_PAGE_MIN_BYTES - 1, dtype=torch.uint8))
+    memory.empty_like(torch.empty(memory.HUGE_PAGE_MIN_BYTES, dtype=torch.uint8, device="meta"))
+    assert advice.calls == []
+
+
+def test_empty_huge_starts_on_a_huge_page_and_advises_all_of_it(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    advice = _Advice()
+    monkeypatch.setattr(memory, "_MADVISE", advice)
+    count = (5 << 20) + 3
+    out = memory.empty_huge(count, torch.float32)
+    [(address, length, flag)] = advice.calls
+    assert flag == memory._MADV_HUGEPAGE
+    assert address == out.data_ptr() and address % (2 << 20) == 0
+    # Every whole huge page; the last, partial one too where the padding holds all of it.
+    whole = out.nbytes // (2 << 20) * (2 << 20)
+    assert length in (whole, whole + (2 << 20))
