@@ -40,11 +40,12 @@ from collections.abc import Sequence
 from baguahvd import __version__
 from baguahvd.common import capabilities
 from baguahvd.common.config import env_flag
-from baguahvd.common.shim import shim_path
+from baguahvd.compat.aliases import shim_path
 from baguahvd.runner import local_gloo
 from baguahvd.runner.arguments import make_parser
 from baguahvd.runner.configfile import apply_config, read_config
 from baguahvd.runner.elastic.launcher import ElasticLauncher
+from baguahvd.runner.elastic.rounds import GlooElasticLauncher
 from baguahvd.runner.elastic.settings import ElasticSettings
 from baguahvd.runner.hosts import LaunchError
 from baguahvd.runner.local_gloo import check_local
@@ -222,12 +223,9 @@ def _launch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _launch_gloo(
     parser: argparse.ArgumentParser, args: argparse.Namespace, env: dict[str, str]
 ) -> int:
+    if is_elastic(args):
+        return _launch_gloo_elastic(parser, args, env)
     try:
-        if is_elastic(args):
-            raise LaunchError(
-                "--gloo cannot be combined with --elastic (elastic jobs relaunch mpirun); "
-                "drop one of them"
-            )
         hosts, num_proc = resolve_request(args, env)
         check_local(hosts)
     except LaunchError as error:
@@ -236,6 +234,19 @@ def _launch_gloo(
     sys.stdout.flush()
     sys.stderr.flush()
     return local_gloo.launch(args, env, hosts, num_proc)
+
+
+def _launch_gloo_elastic(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, env: dict[str, str]
+) -> int:
+    try:
+        settings = ElasticSettings.from_args(args, env)
+        if settings.fixed_hosts is not None:
+            check_local(settings.fixed_hosts)
+    except LaunchError as error:
+        parser.error(str(error))
+    _warn_if_shadowing(args)
+    return GlooElasticLauncher(args, settings, env, mpirun="").run()
 
 
 def _launch_elastic(

@@ -34,7 +34,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
-from baguahvd.common.shim import shim_path
+from baguahvd.compat.aliases import shim_path
 from baguahvd.runner.allocation import detect_allocation
 from baguahvd.runner.hosts import Host, LaunchError, is_local, parse_hostfile, parse_hosts
 from baguahvd.runner.options import (

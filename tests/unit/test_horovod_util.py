@@ -9,8 +9,9 @@ import types
 
 import pytest
 
-from baguahvd.common import capabilities, util
-from baguahvd.common.shim import shim_path
+from baguahvd.common import capabilities
+from baguahvd.compat import common_util as util
+from baguahvd.compat.aliases import shim_path
 
 
 @pytest.mark.parametrize(

@@ -115,7 +115,7 @@ def test_launch_kind_follows_the_launchers_variables(monkeypatch: pytest.MonkeyP
 
 def test_lightning_bagua_stand_in_is_baguahvds_strategy() -> None:
     """On the path only when asked (the shim's folder), like the horovod stand-in."""
-    from baguahvd.common.shim import shim_path
+    from baguahvd.compat.aliases import shim_path
     from tests.support import jobs
 
     script = (

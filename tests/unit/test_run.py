@@ -16,7 +16,7 @@ import pytest
 from baguahvd import __version__
 from baguahvd import run as run_module
 from baguahvd.common import capabilities
-from baguahvd.common.shim import shim_path
+from baguahvd.compat.aliases import shim_path
 from baguahvd.runner import cli, local_gloo
 from baguahvd.runner.allocation import MPI_HOSTFILE_VARIABLES
 from baguahvd.runner.hosts import LaunchError

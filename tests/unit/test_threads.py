@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from baguahvd.common.threads import execute_function_multithreaded, in_thread, on_event
+from baguahvd.compat.runner_threads import execute_function_multithreaded, in_thread, on_event
 
 
 def test_in_thread_starts_a_daemon_thread_running_the_target() -> None:

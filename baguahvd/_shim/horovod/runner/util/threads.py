@@ -1,5 +1,5 @@
 """``horovod.runner.util.threads``: baguahvd's thread helpers under Horovod's name."""
 
-from baguahvd.common.threads import execute_function_multithreaded, in_thread, on_event
+from baguahvd.compat.runner_threads import execute_function_multithreaded, in_thread, on_event
 
 __all__ = ["execute_function_multithreaded", "in_thread", "on_event"]

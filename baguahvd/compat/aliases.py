@@ -38,8 +38,10 @@ _MOVED_MODULES = {
     "horovod.common.basics": "baguahvd.runtime.state",
     "horovod.common.elastic": "baguahvd.torch.elastic.base",
     "horovod.common.process_sets": "baguahvd.runtime.process_sets",
+    "horovod.common.util": "baguahvd.compat.common_util",
 }
-"""Horovod's ``common`` modules whose baguahvd counterparts live in a higher layer."""
+"""Horovod's ``common`` modules whose baguahvd counterparts live elsewhere: in a higher
+layer, or in :mod:`baguahvd.compat` where only Horovod's path needs them."""
 
 
 def shim_path() -> str:
