@@ -1,6 +1,6 @@
 """``baguahvdrun``: launch a training script on several ranks, like ``horovodrun``.
 
-It accepts every ``horovodrun`` option (:mod:`baguahvd.runner.arguments`), turns the tuning
+It accepts every ``horovodrun`` option (:mod:`baguahvd.runner.command_line`), turns the tuning
 flags into the ``HOROVOD_*`` variables baguahvd reads at ``init()``, and replaces itself
 with an Open MPI ``mpirun`` command carrying what users otherwise have to remember:
 ``--allow-run-as-root`` for root, ``--oversubscribe`` when more local slots than cores are
@@ -42,7 +42,7 @@ from baguahvd.common import capabilities
 from baguahvd.common.config import env_flag
 from baguahvd.compat.aliases import shim_path
 from baguahvd.runner import local_gloo
-from baguahvd.runner.arguments import make_parser
+from baguahvd.runner.command_line import make_parser
 from baguahvd.runner.configfile import apply_config, read_config
 from baguahvd.runner.elastic.launcher import ElasticLauncher
 from baguahvd.runner.elastic.rounds import GlooElasticLauncher
@@ -57,7 +57,7 @@ from baguahvd.runner.mpirun import (
     probe_mpirun,
     resolve_request,
 )
-from baguahvd.runner.options import launch_notes
+from baguahvd.runner.option_effects import launch_notes
 
 __all__ = ["check_build_table", "main", "make_parser", "parse_args"]
 

@@ -6,7 +6,7 @@ carries what users otherwise have to remember: ``--allow-run-as-root`` for root,
 ``--map-by slot``, ``-H`` and ``-x`` for every variable the ranks need. The tuning flags
 become the ``HOROVOD_*`` variables baguahvd reads at ``init()`` (a ``BAGUAHVD_*`` variable of
 the same name, when set, is overwritten too, so that the flag wins), and the multi-node
-flags become Open MPI settings: see :mod:`baguahvd.runner.options`.
+flags become Open MPI settings: see :mod:`baguahvd.runner.option_effects`.
 
 Without ``-H``/``--hostfile`` the hosts are those of the job's allocation (Slurm, PBS, LSF,
 an Open MPI default host file: :mod:`baguahvd.runner.allocation`), else ``localhost:<np>``.
@@ -37,7 +37,7 @@ from collections.abc import Mapping, Sequence
 from baguahvd.compat.aliases import shim_path
 from baguahvd.runner.allocation import detect_allocation
 from baguahvd.runner.hosts import Host, LaunchError, is_local, parse_hostfile, parse_hosts
-from baguahvd.runner.options import (
+from baguahvd.runner.option_effects import (
     binding_options,
     check_options,
     mpirun_options,
@@ -174,7 +174,7 @@ def check_request(args: argparse.Namespace) -> None:
 
     Raises:
         LaunchError: no command, ``-np`` below 1, malformed ``-x`` or ``--mpi-args``, an
-            option value :func:`~baguahvd.runner.options.check_options` rejects, or an
+            option value :func:`~baguahvd.runner.option_effects.check_options` rejects, or an
             elastic-only flag without ``--elastic``.
     """
     if not args.command:

@@ -9,7 +9,7 @@ into ``docs/``, so there is no checked-in copy to go stale):
   and the full names in the helpers it calls), so a new setting shows up with its real
   names; a field whose variables cannot be found fails the build. Also the launchers'
   variables that ``hvd.init()`` reads (``launch_from_env``).
-- ``reference/baguahvdrun.md``: every option of ``baguahvd.runner.arguments.make_parser()``,
+- ``reference/baguahvdrun.md``: every option of ``baguahvd.runner.command_line.make_parser()``,
   group by group, with its help text and default.
 
 The same functions are used by ``tests/docs/test_reference_pages.py``.
@@ -282,14 +282,14 @@ def _option_rows(
 
 def options_page() -> str:
     _import_root()
-    from baguahvd.runner.arguments import make_parser
+    from baguahvd.runner.command_line import make_parser
 
     parser = make_parser()
     lines = [
         "# baguahvdrun options",
         "",
         "<!-- Generated at build time by docs/hooks/reference_pages.py from",
-        "     baguahvd/runner/arguments.py. Edit the help texts there, not this page. -->",
+        "     baguahvd/runner/command_line.py. Edit the help texts there, not this page. -->",
         "",
         "`baguahvdrun` (also `python -m baguahvd.run`) takes every option of horovodrun "
         "0.28.1 and some of its own. What each option turns into (variables on the ranks, "

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import ModuleType
 
 from baguahvd.common.config import Config
-from baguahvd.runner.arguments import make_parser
+from baguahvd.runner.command_line import make_parser
 
 HOOK = Path(__file__).resolve().parents[2] / "docs" / "hooks" / "reference_pages.py"
 

@@ -4,7 +4,7 @@
 come in pairs (``--autotune``/``--no-autotune``, ``--no-stall-check``/``--stall-check``, ...)
 that store ``True`` or ``False`` in one attribute whose default is ``None``, so that
 "not given" stays visible: ``--config-file`` fills only what the command line left unset,
-and :mod:`baguahvd.runner.options` exports a variable only for an option that was given.
+and :mod:`baguahvd.runner.option_effects` exports a variable only for an option that was given.
 Options of our own: ``-x``, ``--as-horovod``, ``--algorithm``, ``--shim-path`` and the
 elastic ``--elastic``, ``--checkpoint-dir`` and ``--max-restarts``.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 from baguahvd import __version__
 from baguahvd.runner.elastic.settings import DEFAULT_ELASTIC_TIMEOUT, DEFAULT_MAX_RESTARTS
-from baguahvd.runner.options import LOG_LEVELS
+from baguahvd.runner.option_effects import LOG_LEVELS
 
 
 class _InterfacesAction(argparse.Action):
