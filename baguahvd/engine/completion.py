@@ -31,7 +31,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from baguahvd.common.exceptions import HorovodInternalError
-from baguahvd.engine.requests import Entry, Request
+from baguahvd.engine.requests import Entry, Outcome, Request, deliver
+from baguahvd.engine.timeline import Timeline
 
 
 def keep_named(exc: BaseException, otherwise: HorovodInternalError) -> HorovodInternalError:
@@ -60,7 +61,7 @@ class _Pending(NamedTuple):
     and, for units in two parts, ``check_succeeded(launched)``."""
     launched: Any
     unit: list[Entry]
-    complete: list[Callable[[], None]]
+    outcomes: list[Outcome]
     then: Callable[[], Any] | None
     """Launches the unit's second part once the first has finished (returns what
     ``finished`` takes); None once launched, or for a unit of one part."""
@@ -70,22 +71,24 @@ class Completions:
     """The launched device units not completed yet, in launch order (see module docstring).
 
     Only the engine thread adds, polls, drains and abandons; other threads may read
-    :meth:`requests` (to fail them when the engine stops).
+    :meth:`requests` (to fail them when the engine stops). ``timeline``: rank 0's, where
+    completed units are recorded.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, timeline: Timeline | None = None) -> None:
         self._units: list[_Pending] = []
+        self.timeline = timeline
 
     def __len__(self) -> int:
         return len(self._units)
 
     def add(
-        self, comm: Any, launched: Any, unit: list[Entry], complete: list[Callable[[], None]],
+        self, comm: Any, launched: Any, unit: list[Entry], outcomes: list[Outcome],
         then: Callable[[], Any] | None = None,
     ) -> None:
-        """Adds a launched unit, the calls that complete its handles and, for a unit in two
-        parts, what launches the second (see module docstring)."""
-        self._units.append(_Pending(comm, launched, unit, complete, then))
+        """Adds a launched unit, the outcomes its handles get once it has finished and, for
+        a unit in two parts, what launches the second (see module docstring)."""
+        self._units.append(_Pending(comm, launched, unit, outcomes, then))
 
     def requests(self) -> list[Request]:
         """The requests of the units not completed yet."""
@@ -182,6 +185,4 @@ class Completions:
                         error, HorovodInternalError(f"{request.meta.name}: {error}")))
 
     def _complete(self) -> None:
-        pending = self._units.pop(0)
-        for complete in pending.complete:
-            complete()
+        deliver(self._units.pop(0).outcomes, self.timeline)

@@ -5,7 +5,9 @@ A unit is one fused group of allreduces or one other collective (see
 the set's device communicator for GPU tensors (made at the set's first device collective by
 the factory the engine was given: every member runs the agreed units in the same order, so
 all of them make it in the same one). The tensor arithmetic lives in
-:mod:`~baguahvd.engine.execute`; process-set changes are handed back to the engine.
+:mod:`~baguahvd.engine.execute`; process-set changes go to the registry the dispatcher was
+given. Every request's outcome (:class:`~baguahvd.engine.requests.Outcome`) is delivered to
+its handle here, or, for a device unit, by :mod:`~baguahvd.engine.completion`.
 
 Device units run inside their communicator's ``ordered`` scope (see
 :meth:`baguahvd.backends.nccl.NCCLCommunicator.ordered`): after the submitters' streams, on
@@ -16,9 +18,10 @@ submissions used.
 
 The engine thread and user threads (single-member sets run on the submitting thread) use
 the dispatcher at the same time, so what one call works with is passed down with it (its
-fusion buffers, the completions it defers, the outputs it made) instead of being kept on the
-dispatcher; each user thread has fusion buffers of its own, and each device communicator
-too (units of different communicators run on unordered streams).
+fusion buffers, whether it is launched without waiting) and what it made comes back as its
+return value, instead of being kept on the dispatcher; each user thread has fusion buffers
+of its own, and each device communicator too (units of different communicators run on
+unordered streams).
 
 A collective that raises here raises to the caller: on the engine thread that fails the
 job (see :class:`CollectiveFailure`); for a single-member set, which never leaves the
@@ -30,7 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -40,10 +43,9 @@ from baguahvd.common.exceptions import HorovodInternalError, MismatchError
 from baguahvd.engine import execute
 from baguahvd.engine.completion import CollectiveFailure, Completions, keep_named
 from baguahvd.engine.execute import ByteCount, FusionBuffers, FusionPool
-from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, build_response
-from baguahvd.engine.process_sets import ProcessSetState
-from baguahvd.engine.requests import Entry, Request
+from baguahvd.engine.process_sets import ProcessSetRegistry, ProcessSetState
+from baguahvd.engine.requests import Entry, Outcome, Request, deliver
 from baguahvd.engine.timeline import Timeline, transport_activity
 
 logger = logging.getLogger("baguahvd.engine")
@@ -59,24 +61,15 @@ def named_error(exc: Exception, name: str) -> HorovodInternalError:
 class _Run:
     """What one call that runs a unit works with, passed down instead of kept on the
     dispatcher (whose engine thread and user threads run units at the same time): the unit's
-    fusion buffers and, for a device unit launched without waiting, the calls that complete
-    its handles once it has finished (``complete``), the tensors it made on the
-    communicator's stream for the submitters (``produced``) and what writes its outputs once
-    its communication has finished without error (``rest``, see
-    :func:`~baguahvd.engine.execute.allreduce`). ``complete`` is None where handles complete
-    as soon as the unit has run."""
+    fusion buffers, whether it is a device unit launched without waiting (``split``: then
+    what writes its outputs once its communication has finished without error is left in
+    ``rest``, see :func:`~baguahvd.engine.execute.allreduce`)."""
 
-    __slots__ = ("buffers", "complete", "produced", "rest")
+    __slots__ = ("buffers", "split", "rest")
 
-    def __init__(
-        self,
-        buffers: FusionBuffers,
-        complete: list[Callable[[], None]] | None = None,
-        produced: list[torch.Tensor] | None = None,
-    ) -> None:
+    def __init__(self, buffers: FusionBuffers, split: bool = False) -> None:
         self.buffers = buffers
-        self.complete = complete
-        self.produced = produced
+        self.split = split
         self.rest: Callable[[], None] | None = None
 
 
@@ -86,11 +79,11 @@ class Dispatcher:
     Args:
         rank: this process's rank.
         process_sets: the registered process sets, by id.
-        queue: the request queue (names of finished requests are freed there).
         timeline: rank 0's timeline, if any.
         device_comms: makes device communicators; None where there are none.
-        add_process_set: registers a set of ranks (collective), returns its id.
-        remove_process_set: removes the set of an id (collective).
+        registry: adds and removes process sets for the units that change them (the
+            engine's registry, whose ``states`` are ``process_sets``); without one, such
+            units fail.
         device_timeout_s: how long one collective of a device communicator may take.
         stopped: the engine's stop error, if any; a device collective being waited for is
             abandoned once there is one.
@@ -103,11 +96,10 @@ class Dispatcher:
         self,
         rank: int,
         process_sets: dict[int, ProcessSetState],
-        queue: RequestQueue,
-        timeline: Timeline | None,
-        device_comms: DeviceCommFactory | None,
-        add_process_set: Callable[[Sequence[int]], int],
-        remove_process_set: Callable[[int], None],
+        timeline: Timeline | None = None,
+        device_comms: DeviceCommFactory | None = None,
+        *,
+        registry: ProcessSetRegistry | None = None,
         device_timeout_s: float = nccl.DEFAULT_TIMEOUT_S,
         stopped: Callable[[], BaseException | None] | None = None,
         single_rank_nccl: bool = False,
@@ -117,11 +109,9 @@ class Dispatcher:
         self.single_rank_nccl = single_rank_nccl
         self.nccl_average = nccl_average
         self.process_sets = process_sets
-        self.queue = queue
+        self.registry = registry
         self.timeline = timeline
         self.device_comms = device_comms
-        self.add_process_set = add_process_set
-        self.remove_process_set = remove_process_set
         self.device_timeout_s = device_timeout_s
         self.stopped = stopped
         self.buffers = FusionBuffers()
@@ -130,12 +120,12 @@ class Dispatcher:
         user thread that runs single-member sets' collectives too (:meth:`run_alone`)."""
         self.user_device: torch.device | None = None
         """The CUDA device of this rank's submissions (where its joined zeros go)."""
-        self.pending = Completions()
+        self.pending = Completions(timeline)
         """Device units launched and not completed yet."""
         self.fusion_bytes = ByteCount()
         """Bytes copied into and out of fusion buffers, by every thread that runs units."""
         self._alone = threading.local()
-        """Per user thread: the :class:`_Run` of the single-member collectives it runs."""
+        """Per user thread: the fusion buffers of the single-member collectives it runs."""
         self.capture_relaxed = False
         """Whether the engine thread is in CUDA's relaxed stream-capture mode
         (:func:`~baguahvd.backends.cuda_support.relax_capture_mode`), in which its CUDA
@@ -156,7 +146,8 @@ class Dispatcher:
             self.user_device = cuda_support.thread_cuda_device()
 
     def run_unit(self, unit: list[Entry]) -> None:
-        """Runs one agreed unit on this rank (engine thread); raises what it raised."""
+        """Runs one agreed unit on this rank (engine thread); raises what it raised. Its
+        handles complete once it has run, or, for a device unit, in :attr:`pending`."""
         response = unit[0][0]
         state = self.process_sets.get(response.process_set_id)
         if state is None or state.comm is None:
@@ -168,7 +159,7 @@ class Dispatcher:
                 unit, self.device_comm(state, state.comm), state.device_buffers
             )
             return
-        self.execute(unit, state.comm)
+        deliver(self.execute(unit, state.comm, _Run(self.buffers)), self.timeline)
 
     def execute_ordered(
         self, unit: list[Entry], comm: Communicator, pool: FusionPool,
@@ -187,7 +178,8 @@ class Dispatcher:
         ordered = getattr(comm, "ordered", None)
         buffers = pool.take()
         if ordered is None:
-            self._execute_host_staged(unit, comm, _Run(buffers))
+            deliver(self._execute_host_staged(unit, comm, _Run(buffers, split=True)),
+                    self.timeline)
             pool.give_back(buffers)
             return
         marks = [request.mark for _, request in unit
@@ -196,10 +188,11 @@ class Dispatcher:
             getattr(comm, "device", None) or self.user_device or cuda_support.thread_cuda_device()
         )
         name = unit[0][0].name
-        deferred: list[Callable[[], None]] = []
         with ordered(device, marks, name) as launched:
-            run = _Run(buffers, deferred, launched.produced)
-            self.execute(unit, comm, run)
+            run = _Run(buffers, split=True)
+            outcomes = self.execute(unit, comm, run)
+            # Made on the communicator's stream for the submitters (see ordered).
+            launched.produced.extend(_made(unit, outcomes))
         rest = run.rest
         then: Callable[[], object] | None = None
         if rest is None:
@@ -213,10 +206,10 @@ class Dispatcher:
                 return launched_rest
 
         if not wait_here:
-            self.pending.add(comm, launched, unit, deferred, then)
+            self.pending.add(comm, launched, unit, outcomes, then)
             return
-        alone = Completions()
-        alone.add(comm, launched, unit, deferred, then)
+        alone = Completions(self.timeline)
+        alone.add(comm, launched, unit, outcomes, then)
         alone.drain()
 
     def run_alone(self, request: Request, state: ProcessSetState) -> None:
@@ -237,19 +230,22 @@ class Dispatcher:
                     wait_here=True,
                 )
             else:
-                self.execute([(response, request)], comm, self._thread_run())
+                outcomes = self.execute([(response, request)], comm, self._thread_run())
                 if request.inputs and cuda_support.is_cuda(request.inputs[0]):
                     # The identity path queued its copies on the submitter's stream: the
                     # handle's wait returns once they are done, whatever stream reads next.
                     request.handle.device_done = cuda_support.current_stream_done(
                         cuda_support.tensor_device(request.inputs[0])
                     )
+                deliver(outcomes, self.timeline)
         except Exception as exc:  # noqa: BLE001 - reported through the handle
             logger.exception("%s failed", response.name)
             cause = exc.error if isinstance(exc, CollectiveFailure) else exc
-            self.finish(request, error=named_error(cause, response.name))
+            deliver([Outcome(request, error=named_error(cause, response.name))], self.timeline)
 
-    def _execute_host_staged(self, unit: list[Entry], comm: Communicator, run: _Run) -> None:
+    def _execute_host_staged(
+        self, unit: list[Entry], comm: Communicator, run: _Run
+    ) -> list[Outcome]:
         """A device unit on a communicator without stream order of its own (gloo carrying
         CUDA tensors through host memory, HOROVOD_GPU_OPERATIONS=GLOO): it starts once the
         submitters' producers have finished, and its handles complete once its own device
@@ -257,9 +253,7 @@ class Dispatcher:
         for _, request in unit:
             if request is not None and request.mark is not None:
                 request.mark.ready.synchronize()
-        complete: list[Callable[[], None]] = []
-        run.complete, run.produced = complete, []
-        self.execute(unit, comm, run)
+        outcomes = self.execute(unit, comm, run)
         if run.rest is not None:
             run.rest()
         device = next(
@@ -268,18 +262,17 @@ class Dispatcher:
         )
         if device is not None:
             cuda_support.current_stream_done(device).synchronize()
-        for call in complete:
-            call()
+        return outcomes
 
     def _thread_run(self) -> _Run:
-        """The calling user thread's :class:`_Run` for single-member collectives that run
-        at once: fusion buffers of its own, which no other thread uses. (Those that go
-        through a one-rank NCCL communicator take buffers from its pool, as the engine's
-        device units do.)"""
-        run: _Run | None = getattr(self._alone, "run", None)
-        if run is None:
-            run = self._alone.run = _Run(FusionBuffers())
-        return run
+        """A :class:`_Run` for a single-member collective that runs at once in the calling
+        user thread, with fusion buffers of that thread's own, which no other thread uses.
+        (Those that go through a one-rank NCCL communicator take buffers from its pool, as
+        the engine's device units do.)"""
+        buffers: FusionBuffers | None = getattr(self._alone, "buffers", None)
+        if buffers is None:
+            buffers = self._alone.buffers = FusionBuffers()
+        return _Run(buffers)
 
     def _through_nccl(self, request: Request, state: ProcessSetState) -> bool:
         """Whether a single-member collective of CUDA tensors takes a one-rank NCCL
@@ -311,11 +304,9 @@ class Dispatcher:
                 state.device_comm.native_average = self.nccl_average
         return state.device_comm
 
-    def execute(self, unit: list[Entry], comm: Communicator, run: _Run | None = None) -> None:
-        """Runs one unit (a fused group of allreduces, or one other collective) and
-        completes its handles. ``run``: the call's buffers and deferred completions (see
-        :class:`_Run`); None on the engine thread for a data communicator's unit, which
-        uses :attr:`buffers` and completes its handles at once."""
+    def execute(self, unit: list[Entry], comm: Communicator, run: _Run) -> list[Outcome]:
+        """Runs one unit (a fused group of allreduces, or one other collective) with the
+        call's buffers (see :class:`_Run`); returns how its requests ended."""
         # The collectives write users' tensors as raw buffers, leaves that require grad
         # included, and their outputs must not join anyone's autograd graph: without grad
         # (the engine thread turns it off for good; a user's thread, for single-member
@@ -329,18 +320,17 @@ class Dispatcher:
         )
         if inference or torch.is_grad_enabled():
             with torch.inference_mode() if inference else torch.no_grad():
-                self._execute_traced(unit, comm, run)
-            if run is not None and run.rest is not None:
+                outcomes = self._execute_traced(unit, comm, run)
+            if run.rest is not None:
                 # Run later, maybe by another thread: under the same mode.
                 run.rest = functools.partial(_without_grad, run.rest, inference)
-        else:
-            self._execute_traced(unit, comm, run)
+            return outcomes
+        return self._execute_traced(unit, comm, run)
 
-    def _execute_traced(self, unit: list[Entry], comm: Communicator, run: _Run | None) -> None:
+    def _execute_traced(self, unit: list[Entry], comm: Communicator, run: _Run) -> list[Outcome]:
         timeline = self.timeline
         if timeline is None or not timeline.active:
-            self._execute_on(unit, comm, None, run)
-            return
+            return self._execute_on(unit, comm, None, run)
         response = unit[0][0]
         traced = [request.meta.name for _, request in unit if request is not None]
         transport = transport_activity(response.op, response.device)
@@ -351,107 +341,60 @@ class Dispatcher:
 
         if response.op != OpType.ALLREDUCE:
             phase("COMMUNICATE")
-        self._execute_on(unit, comm, phase, run)
+        return self._execute_on(unit, comm, phase, run)
 
     def _execute_on(
         self, unit: list[Entry], comm: Communicator, phase: Callable[[str], None] | None,
-        run: _Run | None,
-    ) -> None:
+        run: _Run,
+    ) -> list[Outcome]:
         response = unit[0][0]
         requests = [request for _, request in unit if request is not None]
         if response.error is not None:
-            for request in requests:
-                self.finish(request, error=MismatchError(response.error))
-            return
+            return [Outcome(request, error=MismatchError(response.error))
+                    for request in requests]
         op = response.op
         if op == OpType.ALLREDUCE:
-            copied = self.fusion_bytes
-            if run is None:
-                execute.allreduce(
-                    comm, unit, self.buffers, phase, self.user_device, copied=copied
-                )
-            elif run.complete is None:
-                execute.allreduce(
-                    comm, unit, run.buffers, phase, self.user_device, copied=copied
-                )
-            else:
-                run.rest = execute.allreduce(
-                    comm, unit, run.buffers, phase, self.user_device, split=True,
-                    copied=copied,
-                )
-            self.complete_all(requests, run)
-            return
+            run.rest = execute.allreduce(
+                comm, unit, run.buffers, phase, self.user_device, split=run.split,
+                copied=self.fusion_bytes,
+            )
+            return [Outcome(request, request.outputs) for request in requests]
         if op == OpType.BARRIER:
             comm.barrier()
         elif op == OpType.ADD_PROCESS_SET:
-            ident = self.add_process_set(response.payload)
-            for request in requests:
-                self.finish(request, None, extra=ident, run=run)
-            return
+            ident = self._registry().register(response.payload)
+            return [Outcome(request, extra=ident) for request in requests]
         elif op == OpType.REMOVE_PROCESS_SET:
-            self.remove_process_set(response.payload[0])
+            self._registry().remove(response.payload[0])
         elif op == OpType.JOIN:
-            for request in requests:
-                self.finish(request, None, extra=response.last_joined, run=run)
-            return
+            return [Outcome(request, extra=response.last_joined) for request in requests]
         if not requests:
-            return
+            return []
         request = requests[0]
         if op == OpType.ALLGATHER:
-            self.finish(request, execute.allgather(comm, response, request),
-                        extra=response.first_dims, run=run)
-        elif op == OpType.BROADCAST:
-            self.finish(request, execute.broadcast(comm, response, request), run=run)
-        elif op == OpType.ALLTOALL:
+            return [Outcome(request, execute.allgather(comm, response, request),
+                            response.first_dims)]
+        if op == OpType.BROADCAST:
+            return [Outcome(request, execute.broadcast(comm, response, request))]
+        if op == OpType.ALLTOALL:
             outputs, received = execute.alltoall(comm, response, request)
-            self.finish(request, outputs, extra=received, run=run)
-        elif op == OpType.REDUCESCATTER:
-            self.finish(request, execute.reducescatter(comm, response, request), run=run)
-        else:
-            self.finish(request, None, run=run)
+            return [Outcome(request, outputs, received)]
+        if op == OpType.REDUCESCATTER:
+            return [Outcome(request, execute.reducescatter(comm, response, request))]
+        return [Outcome(request)]
 
-    def complete_all(self, requests: list[Request], run: _Run | None = None) -> None:
-        """:meth:`finish` for the requests of a unit that succeeded, with their outputs: one
-        lock and one timeline check for all of them (deferred as ``run`` says)."""
-        if run is not None and run.complete is not None:
-            run.complete.append(lambda: self.complete_all(requests))
-            return
-        self.queue.done(requests)
-        timeline = self.timeline
-        if timeline is not None and timeline.active:
-            for request in requests:
-                meta = request.meta
-                timeline.done(meta.name, {"dtype": meta.dtype, "shape": str(list(meta.shapes))})
-        # Last first: a thread waiting for the first handle of a batch (synchronize in
-        # submission order) wakes once, when the whole batch is done.
-        for request in reversed(requests):
-            request.handle.complete(request.outputs)
+    def _registry(self) -> ProcessSetRegistry:
+        if self.registry is None:
+            raise HorovodInternalError("this dispatcher cannot change process sets")
+        return self.registry
 
-    def finish(
-        self,
-        request: Request,
-        result: list[torch.Tensor] | None = None,
-        extra: object = None,
-        error: BaseException | None = None,
-        run: _Run | None = None,
-    ) -> None:
-        """Completes or fails one request; a completion is deferred as ``run`` says, and its
-        results are then tensors made on the communicator's stream."""
-        if run is not None and run.complete is not None and error is None:
-            if run.produced is not None:
-                run.produced.extend(result or ())
-            run.complete.append(lambda: self.finish(request, result, extra))
-            return
-        self.queue.done((request,))
-        timeline = self.timeline
-        if timeline is not None and timeline.active:
-            # Before the handle is released: the user may stop the timeline right after.
-            meta = request.meta
-            timeline.done(meta.name, {"dtype": meta.dtype, "shape": str(list(meta.shapes))})
-        if error is not None:
-            request.handle.fail(error)
-        else:
-            request.handle.complete(result, extra)
+
+def _made(unit: list[Entry], outcomes: list[Outcome]) -> list[torch.Tensor]:
+    """The results of a unit other than an allreduce's (which writes the users' outputs):
+    tensors it made for the submitters."""
+    if unit[0][0].op == OpType.ALLREDUCE:
+        return []
+    return [tensor for outcome in outcomes for tensor in outcome.result or ()]
 
 
 def _without_grad(call: Callable[[], None], inference: bool) -> None:

@@ -25,15 +25,12 @@ in a collective it will never join: it sends the notice as an alarm outside the 
 (see :meth:`~baguahvd.engine.lifecycle.Lifecycle.leave_mid_cycle`). Rank 0 records what
 happens in the :mod:`~baguahvd.engine.timeline` when HOROVOD_TIMELINE is set.
 
-This module keeps the loop; the parts live beside it: :mod:`~baguahvd.engine.intake`
-(the request queue), :mod:`~baguahvd.engine.negotiation` and
-:mod:`~baguahvd.engine.coordinator` (steps 1 and 2, with the response cache),
-:mod:`~baguahvd.engine.fusion` (the fusion plan), :mod:`~baguahvd.engine.dispatch` (step 3's
-execution; device units, launched without waiting, complete in
-:mod:`~baguahvd.engine.completion`), :mod:`~baguahvd.engine.process_sets` (the registry) and
-:mod:`~baguahvd.engine.lifecycle` (the states between start and exit, and every way out)
-and :mod:`~baguahvd.engine.autotune` (HOROVOD_AUTOTUNE: changes to the fusion threshold and
-cycle time, agreed in a cycle's decision and applied by every rank when that cycle ends).
+This module keeps the loop and asks its parts, acting on what they return: the
+:mod:`~baguahvd.engine.intake` queue, the :mod:`~baguahvd.engine.negotiation` (with the
+:mod:`~baguahvd.engine.coordinator` and the response cache), the
+:mod:`~baguahvd.engine.fusion` plan, the :mod:`~baguahvd.engine.dispatch` (device units
+complete in :mod:`~baguahvd.engine.completion`), the :mod:`~baguahvd.engine.lifecycle` and
+:mod:`~baguahvd.engine.autotune`.
 """
 
 from __future__ import annotations
@@ -66,7 +63,7 @@ from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, OpType
 from baguahvd.engine.negotiation import Negotiator
 from baguahvd.engine.notices import Notice, NoticeKind, describe_exception
 from baguahvd.engine.process_sets import ProcessSetRegistry, not_member_message
-from baguahvd.engine.requests import Entry, Handle, Request
+from baguahvd.engine.requests import Entry, Handle, Outcome, Request, deliver
 from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline
 from baguahvd.engine.watchdog import Watchdog, process_identity
@@ -123,9 +120,10 @@ class Engine:
             self._inspector, self.timeline,
         )
         self._dispatch = Dispatcher(
-            self.rank, self.process_sets, self._queue, self.timeline, device_comms,
-            self.register_process_set, self._remove_process_set, config.nccl_timeout_s,
-            self._stop_error, config.nccl_single_rank, config.nccl_average,
+            self.rank, self.process_sets, self.timeline, device_comms,
+            registry=self._registry, device_timeout_s=config.nccl_timeout_s,
+            stopped=self._lifecycle.stop_error, single_rank_nccl=config.nccl_single_rank,
+            nccl_average=config.nccl_average,
         )
         self._executing: list[Request] = []
         self.cycles = 0
@@ -170,16 +168,13 @@ class Engine:
         :meth:`start` (static sets) or through an ADD_PROCESS_SET request (dynamic)."""
         return self._registry.register(ranks)
 
-    def _remove_process_set(self, ident: int) -> None:
-        self._registry.remove(ident)
-        # Requests that were waiting on the removed set's cached responses can never run.
-        for request in self._negotiation.forget_process_set(ident):
-            self._dispatch.finish(
-                request,
-                error=HorovodInternalError(
-                    f"{request.meta.name}: process set {ident} was removed."
-                ),
-            )
+    def _forget_process_set(self, ident: int) -> None:
+        # The requests that waited on a removed set's cached responses can never run.
+        deliver([
+            Outcome(request, error=HorovodInternalError(
+                f"{request.meta.name}: process set {ident} was removed."))
+            for request in self._negotiation.forget_process_set(ident)
+        ], self.timeline)
 
     # ----------------------------------------------------------------------------------
     # Lifecycle
@@ -358,7 +353,7 @@ class Engine:
             return request.handle
         # Single-member sets run here, in this thread's stream order: nothing to mark.
         self._dispatch.mark(request)
-        self._queue.put(request, self._stop_error, blocking)
+        self._queue.put(request, self._lifecycle.stop_error, blocking)
         return request.handle
 
     def take_place(
@@ -389,7 +384,7 @@ class Engine:
             op, label, process_set_id, (), None, name, ReduceOp.SUM, 1.0, 1.0, -1, None, (),
         )
         request.meta = request.meta._replace(failure=reason)
-        self._queue.put(request, self._stop_error)
+        self._queue.put(request, self._lifecycle.stop_error)
 
     @property
     def fusion_bytes(self) -> int:
@@ -401,9 +396,6 @@ class Engine:
         """Cycles whose requests went to rank 0 in full; the others ran from the response
         cache (or had nothing to run)."""
         return self._negotiation.exchanges
-
-    def _stop_error(self) -> BaseException | None:
-        return self._lifecycle.error
 
     # ----------------------------------------------------------------------------------
     # The engine thread
@@ -452,10 +444,11 @@ class Engine:
         notice = lifecycle.notice
         negotiation = self._negotiation
         if new:
-            negotiation.admit_all(new, self._admit)
+            self.inject_fault("admit", new)
+            negotiation.admit_all(new)
         now = time.monotonic()
-        if self._inspector.due(now):
-            self._check_stalls(now)
+        if self._inspector.due(now) and (stall := negotiation.check_stalls(now)) is not None:
+            lifecycle.announce(stall)
         words = negotiation.announcement(notice, busy=len(self._dispatch.pending) > 0)
         # From here until the cycle ends, ranks are in the middle of the same exchange.
         lifecycle.begin_cycle()
@@ -469,8 +462,12 @@ class Engine:
             lifecycle.stop(final.error(self.rank), abnormal=final.abnormal)
             lifecycle.end_cycle()
             return False
-        entries, negotiated = negotiation.settle(agreed)
-        for response, own in entries[len(entries) - negotiated :]:
+        entries = negotiation.cached_work(agreed)
+        negotiated: list[Entry] = []
+        if negotiation.exchange_agreed(agreed):
+            negotiated = negotiation.answered(negotiation.negotiate(None).responses)
+            entries += negotiated
+        for response, own in negotiated:
             if own is None:
                 # Ran (or failed) while this rank had joined: count it, before the join can
                 # return, so that this rank's next unnamed collective pairs with the others'.
@@ -482,14 +479,22 @@ class Engine:
             for response, own in entries:
                 if own is not None:
                     timeline.queued(response.name, response.op, own.activity)
-        for unit in self._fuse(entries):
+        self.inject_fault("run", entries)
+        for unit in plan_fusion(
+            entries, self.settings.fusion_threshold, self.config.disable_group_fusion,
+            unfused_sizes(self.process_sets, self.config.unfused_bytes),
+        ):
             try:
                 self._dispatch.run_unit(unit)
             except Exception as exc:
                 raise CollectiveFailure(unit, exc) from exc
+            response = unit[0][0]
+            if response.op == OpType.REMOVE_PROCESS_SET and response.error is None:
+                self._forget_process_set(response.payload[0])
         self._executing = []
-        for response, own in entries[len(entries) - negotiated :]:
+        for response, own in negotiated:
             negotiation.remember(response, own)
+        self._queue.release_retries()
         if self._tuner is not None and not self._tuner.frozen:
             proposal = self._tuner.record(_reduced(entries))
             if proposal is not None:
@@ -505,19 +510,12 @@ class Engine:
                 self._tuner.applied(agreed_settings)
         return True
 
-    def _admit(self, request: Request) -> None:
-        self._negotiation.admit(request)
-
-    def _fuse(self, entries: list[Entry]) -> list[list[Entry]]:
-        return plan_fusion(
-            entries, self.settings.fusion_threshold, self.config.disable_group_fusion,
-            unfused_sizes(self.process_sets, self.config.unfused_bytes),
-        )
-
-    def _check_stalls(self, now: float) -> None:
-        stall = self._negotiation.check_stalls(now)
-        if stall is not None:
-            self._lifecycle.announce(stall)
+    def inject_fault(self, stage: str, work: Sequence[object]) -> None:
+        """The one seam for fault-injection tests; does nothing. The engine thread calls it
+        with ``"admit"`` and the requests it takes from the queue, before negotiating them
+        (between cycles), and with ``"run"`` and the cycle's agreed work ((response,
+        request) pairs) before fusing and running it (mid-cycle). A test replaces it with a
+        function that raises, to see how the ranks end a job whose engine fails there."""
 
     def _waiting(self) -> None:
         """Called while the engine thread waits for the other ranks in a negotiation: gives
@@ -562,9 +560,10 @@ class Engine:
         error = PeerFailureError(self.rank, reason)
         lifecycle = self._lifecycle
         lifecycle.leave()
-        for _, request in failure.unit:
-            if request is not None and not request.handle.done():
-                self._dispatch.finish(request, error=keep_named(exc, error))
+        deliver([
+            Outcome(request, error=keep_named(exc, error)) for _, request in failure.unit
+            if request is not None and not request.handle.done()
+        ], self.timeline)
         lifecycle.stop(error, abnormal=True)
         lifecycle.leave_mid_cycle(reason)
 

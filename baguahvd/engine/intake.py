@@ -82,9 +82,11 @@ class RequestQueue:
         self.flush = threading.Event()
         """Set when a thread blocks on a handle: the burst being submitted is over."""
         self._queue: list[Request] = []
-        self._inflight: set[tuple[int, str]] = set()
-        self._placeholders: set[tuple[int, str]] = set()
-        """Names in flight whose request is a placeholder."""
+        self._inflight: dict[tuple[int, str], Request] = {}
+        """The request holding each name: the name is free again once that request's handle
+        is done, whoever completed it, so nothing hands finished requests back here."""
+        self._kept = 0
+        """Names held after the last pruning of :attr:`_inflight`."""
         self._deferred: dict[tuple[int, str], Request] = {}
         """Requests waiting for a placeholder of their name to be done."""
         self._noname: dict[int, int] = {}
@@ -182,7 +184,7 @@ class RequestQueue:
     def check_unique(self, request: Request) -> None:
         """Raises DuplicateNameError when a request of the same name is in flight."""
         with self.lock:
-            if request.ident in self._inflight:
+            if self._holder(request.ident) is not None:
                 raise DuplicateNameError(request.meta.name)
 
     def put(
@@ -202,25 +204,35 @@ class RequestQueue:
             if error is not None:
                 raise error
             ident = request.ident
-            if ident in self._inflight:
-                if (
-                    ident not in self._placeholders
-                    or ident in self._deferred
-                    or request.meta.failure
-                ):
+            holder = self._holder(ident)
+            if holder is not None:
+                if not holder.meta.failure or ident in self._deferred or request.meta.failure:
                     raise DuplicateNameError(request.meta.name)
                 self._deferred[ident] = request
                 return
-            self._inflight.add(ident)
-            if request.meta.failure:
-                self._placeholders.add(ident)
+            self._enqueue(request)
             queue = self._queue
-            queue.append(request)
-            self._last_arrival = time.perf_counter()
         # The engine takes the whole queue at once: only the first request of a batch needs
         # to wake it (see let_burst_finish for the rest).
         if len(queue) == 1 and not blocking:
             self.wake.set()
+
+    def _holder(self, ident: tuple[int, str]) -> Request | None:
+        """The request in flight under ``ident``, or None when the name is free: once the
+        holder is done, a retry that waited for it takes the name (lock held)."""
+        holder = self._inflight.get(ident)
+        if holder is None or not holder.handle.done():
+            return holder
+        del self._inflight[ident]
+        retry = self._deferred.pop(ident, None)
+        if retry is not None:
+            self._enqueue(retry)
+        return retry
+
+    def _enqueue(self, request: Request) -> None:
+        self._inflight[request.ident] = request
+        self._queue.append(request)
+        self._last_arrival = time.perf_counter()
 
     def _blocked(self) -> None:
         """A blocking request's caller waits: its burst is over, and the cycle starts."""
@@ -234,35 +246,28 @@ class RequestQueue:
             new, self._queue = self._queue, []
         return new
 
-    def done(self, requests: Sequence[Request]) -> None:
-        """Frees the names of finished requests for reuse."""
+    def release_retries(self) -> None:
+        """Queues the retries whose placeholder is done, and forgets the names of finished
+        requests now and then (engine thread, after each cycle)."""
         with self.lock:
-            discard = self._inflight.discard
-            for request in requests:
-                discard(request.ident)
-            if self._placeholders:
-                self._release_deferred(requests)
-
-    def _release_deferred(self, requests: Sequence[Request]) -> None:
-        """Queues the requests that waited for the finished placeholders among ``requests``
-        (lock held)."""
-        for request in requests:
-            if request.ident not in self._placeholders:
-                continue
-            self._placeholders.discard(request.ident)
-            deferred = self._deferred.pop(request.ident, None)
-            if deferred is not None:
-                self._inflight.add(deferred.ident)
-                self._queue.append(deferred)
-                self._last_arrival = time.perf_counter()
-                self.wake.set()
+            if self._deferred:
+                queued = len(self._queue)
+                for ident in list(self._deferred):
+                    self._holder(ident)
+                if len(self._queue) > queued:
+                    self.wake.set()
+            if len(self._inflight) > 2 * self._kept + 64:
+                self._inflight = {
+                    ident: request for ident, request in self._inflight.items()
+                    if not request.handle.done() or ident in self._deferred
+                }
+                self._kept = len(self._inflight)
 
     def drain(self) -> list[Request]:
         """Takes every queued request and forgets every name in flight (the engine stops)."""
         with self.lock:
             queued, self._queue = [*self._queue, *self._deferred.values()], []
             self._inflight.clear()
-            self._placeholders.clear()
             self._deferred.clear()
         return queued
 

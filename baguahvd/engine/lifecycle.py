@@ -144,6 +144,10 @@ class Lifecycle:
         """Whether requests are still accepted (no stop error yet)."""
         return self.error is None
 
+    def stop_error(self) -> BaseException | None:
+        """:attr:`error`, for the parts that ask whether to give up a wait."""
+        return self.error
+
     @property
     def abnormal(self) -> bool:
         """Whether the engine stopped because something failed."""

@@ -38,7 +38,7 @@ cache: cached announcements cannot count ranks that joined.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 
@@ -159,13 +159,13 @@ class Negotiator:
 
     # -- admitting new requests -----------------------------------------------------------
 
-    def admit_all(self, requests: list[Request], admit: Callable[[Request], None]) -> None:
-        """``admit`` (normally :meth:`admit`) for a cycle's new requests, with the common
-        case (a named cache hit) inline."""
+    def admit_all(self, requests: list[Request]) -> None:
+        """:meth:`admit` for a cycle's new requests, with the common case (a named cache
+        hit) inline."""
         cache = self.cache
         if self.join_mode or cache.capacity == 0:
             for request in requests:
-                admit(request)
+                self.admit(request)
             return
         lookup = cache.lookup
         waiting = self.waiting_on_cache
@@ -181,7 +181,7 @@ class Negotiator:
                         assert timeline is not None
                         timeline.negotiation_started(meta.name, meta.op)
                     continue
-            admit(request)
+            self.admit(request)
 
     def admit(self, request: Request) -> None:
         """Files a new request: as a cache hit, or to be sent to rank 0."""
@@ -247,10 +247,10 @@ class Negotiator:
         """Whether some rank announced the end of the job in this cycle."""
         return not int(agreed[-1]) & FLAG_NO_SHUTDOWN
 
-    def settle(self, agreed: np.ndarray) -> tuple[list[Entry], int]:
-        """The cycle's agreed work from the AND of every rank's vector (after the full
-        negotiation with rank 0 when some rank had something to send), and how many of the
-        entries, at the end, were negotiated in full."""
+    def cached_work(self, agreed: np.ndarray) -> list[Entry]:
+        """The cycle's cached hits that every rank announced, from the AND of every rank's
+        vector, in slot order; evicts the slots some rank found stale (their requests are
+        sent in full)."""
         span = self._span
         words = agreed.tobytes()
         flags = words[-1]
@@ -272,16 +272,24 @@ class Negotiator:
         ]
         if self.unnamed_pending:
             self._settle_unnamed(entries, flags)
-        negotiated: list[Response] = []
-        if not flags & FLAG_NOTHING_TO_SEND:
-            negotiated = self.negotiate(None).responses
-            sent = self.sent.pop
-            for response in negotiated:
-                request = sent((response.process_set_id, response.key), None)
-                if request is not None and self.unnamed_pending and _counted(request.meta):
-                    self.unnamed_pending -= 1
-                entries.append((response, request))
-        return entries, len(negotiated)
+        return entries
+
+    @staticmethod
+    def exchange_agreed(agreed: np.ndarray) -> bool:
+        """Whether some rank has something to send rank 0 in this cycle: then every rank
+        takes part in :meth:`negotiate`."""
+        return not int(agreed[-1]) & FLAG_NOTHING_TO_SEND
+
+    def answered(self, responses: list[Response]) -> list[Entry]:
+        """Rank 0's responses of this cycle, each with this rank's request for it."""
+        sent = self.sent.pop
+        entries: list[Entry] = []
+        for response in responses:
+            request = sent((response.process_set_id, response.key), None)
+            if request is not None and self.unnamed_pending and _counted(request.meta):
+                self.unnamed_pending -= 1
+            entries.append((response, request))
+        return entries
 
     def _settle_unnamed(self, entries: list[Entry], flags: int) -> None:
         """The cached hits' part of a cycle for unnamed requests: a hit runs under its own

@@ -180,20 +180,17 @@ def test_an_engine_bug_does_not_leave_peers_hanging(
     tmp_path: pathlib.Path, where: str
 ) -> None:
     # Between cycles: admitting a request; mid-cycle: fusing what the ranks agreed on.
-    method = "_admit" if where == "between_cycles" else "_fuse"
+    stage = "admit" if where == "between_cycles" else "run"
     code, logs, elapsed = run_script(tmp_path, f"""
         from baguahvd.engine.engine import Engine
 
-        original = Engine.{method}
-
-        def broken(self, arg):
-            names = [arg.meta.name] if hasattr(arg, "meta") else [r.name for r, _ in arg]
-            if "allreduce.poison" in names:
+        def broken(self, stage, work):
+            names = [item.meta.name if stage == "admit" else item[0].name for item in work]
+            if stage == "{stage}" and "allreduce.poison" in names:
                 raise RuntimeError("injected engine bug")
-            return original(self, arg)
 
         if rank == 1:
-            Engine.{method} = broken
+            Engine.inject_fault = broken
         try:
             hvd.allreduce(torch.ones(2), name="poison")
         except PeerFailureError as exc:

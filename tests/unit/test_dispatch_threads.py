@@ -20,7 +20,6 @@ from baguahvd.backends import cuda_support
 from baguahvd.backends.base import Communicator, SelfCommunicator
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.dispatch import Dispatcher
-from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, RequestMeta, Response, build_response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
@@ -122,8 +121,7 @@ def allreduce(ident: int, members: tuple[int, ...], name: str, *tensors: torch.T
 
 
 def dispatcher(states: dict[int, ProcessSetState], single_rank_nccl: bool = False) -> Dispatcher:
-    return Dispatcher(0, states, RequestQueue(0), None, None, lambda ranks: 0,
-                      lambda ident: None, single_rank_nccl=single_rank_nccl)
+    return Dispatcher(0, states, single_rank_nccl=single_rank_nccl)
 
 
 def engine_thread(body: Any) -> tuple[threading.Thread, list[BaseException]]:

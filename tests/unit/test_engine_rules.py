@@ -11,7 +11,6 @@ from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.cache import cache_key, may_cache, response_cacheable
 from baguahvd.engine.dispatch import Dispatcher
 from baguahvd.engine.fusion import plan_fusion, unfused_sizes
-from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.lifecycle import ABNORMAL_STATES, RUNNING_STATES, Event, State, transition
 from baguahvd.engine.messages import OpType, Response
 from baguahvd.engine.process_sets import ProcessSetState
@@ -263,8 +262,7 @@ def test_leaving_is_final() -> None:
 
 
 def _dispatcher(factory: object) -> Dispatcher:
-    return Dispatcher(0, {}, RequestQueue(0), None, factory, lambda ranks: 0,  # type: ignore[arg-type]
-                      lambda ident: None)
+    return Dispatcher(0, {}, None, factory)  # type: ignore[arg-type]
 
 
 def test_a_sets_device_communicator_is_made_once_by_the_factory() -> None:

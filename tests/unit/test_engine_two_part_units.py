@@ -8,7 +8,22 @@ import torch
 
 from baguahvd.engine.completion import CollectiveFailure, Completions
 from baguahvd.engine.messages import OpType, RequestMeta, build_response
-from baguahvd.engine.requests import Request
+from baguahvd.engine.requests import Outcome, Request
+
+
+class Log(list):
+    """What happened, in order; stands in for the timeline, which notes each completed
+    request as ``<name>.done``."""
+
+    active = True
+
+    def done(self, name: str, args: object = None) -> None:
+        self.append(f"{name}.done")
+
+
+def started() -> tuple[Completions, Device, Log]:
+    log = Log()
+    return Completions(log), Device(), log  # type: ignore[arg-type]
 
 
 class Device:
@@ -45,12 +60,12 @@ def two_parts(completions: Completions, comm: Device, name: str,
         return f"{name}.rest"
 
     completions.add(comm, name, [(build_response([meta], (0, 1), ()), request)],
-                    [lambda: log.append(f"{name}.done")], then)
+                    [Outcome(request, [])], then)
     return request
 
 
 def test_the_rest_is_launched_once_the_first_part_finished_and_completes_after_it() -> None:
-    completions, comm, log = Completions(), Device(), []
+    completions, comm, log = started()
     two_parts(completions, comm, "a", log)
     assert not completions.poll()
     assert log == []
@@ -65,7 +80,7 @@ def test_the_rest_is_launched_once_the_first_part_finished_and_completes_after_i
 
 
 def test_later_units_go_on_while_an_earlier_one_still_runs() -> None:
-    completions, comm, log = Completions(), Device(), []
+    completions, comm, log = started()
     for name in "abc":
         two_parts(completions, comm, name, log)
     comm.fired.update({"a", "b"})
@@ -81,14 +96,14 @@ def test_later_units_go_on_while_an_earlier_one_still_runs() -> None:
 
 
 def test_draining_launches_and_waits_for_the_rest() -> None:
-    completions, comm, log = Completions(), Device(), []
+    completions, comm, log = started()
     two_parts(completions, comm, "a", log)
     completions.drain()
     assert log == ["a.rest", "a.done"]
 
 
 def test_an_error_seen_after_the_first_part_stops_the_rest() -> None:
-    completions, comm, log = Completions(), Device(), []
+    completions, comm, log = started()
     request = two_parts(completions, comm, "a", log)
     comm.fired.add("a")
     comm.failure = RuntimeError("NCCL_ERROR_6")

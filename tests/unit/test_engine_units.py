@@ -19,7 +19,7 @@ from baguahvd.engine.completion import CollectiveFailure, Completions
 from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, RequestMeta, Response, build_response
 from baguahvd.engine.negotiation import _bits, _set_bits
-from baguahvd.engine.requests import Request
+from baguahvd.engine.requests import Outcome, Request
 
 # ---------------------------------------------------------------------------------------
 # build_response
@@ -660,18 +660,32 @@ class _Device:
         self.aborted.append(reason)
 
 
-def _launched(completions: Completions, comm: _Device, name: str, order: list[str]) -> Request:
+class _Order(list):
+    """A timeline stand-in that lists the names of the requests as they complete."""
+
+    active = True
+
+    def done(self, name: str, args: object = None) -> None:
+        self.append(name)
+
+
+def _launched(completions: Completions, comm: _Device, name: str) -> Request:
     request = Request(_meta(0, name=name), [torch.ones(1)], None)
     response = build_response([request.meta], (0, 1), ())
-    completions.add(comm, name, [(response, request)], [lambda: order.append(name)])
+    completions.add(comm, name, [(response, request)], [Outcome(request, [])])
     return request
 
 
+def _completions() -> tuple[Completions, _Order]:
+    order = _Order()
+    return Completions(order), order  # type: ignore[arg-type]
+
+
 def test_launched_units_complete_in_launch_order_across_communicators() -> None:
-    completions, order = Completions(), []
+    completions, order = _completions()
     first, second = _Device(), _Device()
-    _launched(completions, first, "a", order)
-    _launched(completions, second, "b", order)
+    _launched(completions, first, "a")
+    _launched(completions, second, "b")
     second.fired.add("b")
     completions.poll()
     assert order == [] and len(completions) == 2
@@ -681,9 +695,9 @@ def test_launched_units_complete_in_launch_order_across_communicators() -> None:
 
 
 def test_a_launched_unit_that_fails_names_its_unit() -> None:
-    completions, order = Completions(), []
+    completions, order = _completions()
     comm = _Device()
-    request = _launched(completions, comm, "a", order)
+    request = _launched(completions, comm, "a")
     comm.failure = RuntimeError("NCCL timeout")
     with pytest.raises(CollectiveFailure, match="NCCL timeout") as info:
         completions.poll()
@@ -691,18 +705,18 @@ def test_a_launched_unit_that_fails_names_its_unit() -> None:
 
 
 def test_waiting_for_the_next_cycle_completes_units_that_finish_meanwhile() -> None:
-    completions, order = Completions(), []
+    completions, order = _completions()
     comm = _Device()
-    _launched(completions, comm, "a", order)
+    _launched(completions, comm, "a")
     threading.Timer(0.01, lambda: comm.fired.add("a")).start()
     completions.wait(threading.Event(), 2.0)
     assert order == ["a"]
 
 
 def test_abandoned_units_abort_their_communicator_and_fail_their_handles() -> None:
-    completions, order = Completions(), []
+    completions, order = _completions()
     comm = _Device()
-    requests = [_launched(completions, comm, name, order) for name in "ab"]
+    requests = [_launched(completions, comm, name) for name in "ab"]
     completions.abandon(ShutDownError())
     assert len(comm.aborted) == 1 and order == []
     for request in requests:

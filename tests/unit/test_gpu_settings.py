@@ -15,7 +15,6 @@ from baguahvd.backends import nccl as backend
 from baguahvd.backends.base import Communicator
 from baguahvd.common.config import Config
 from baguahvd.engine.dispatch import Dispatcher
-from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType
 from baguahvd.engine.process_sets import ProcessSetState
 from tests.fakes import fake_mpi
@@ -48,10 +47,7 @@ def test_device_communicators_get_the_timeout_and_the_engines_stop_state() -> No
     def stopped() -> BaseException | None:
         return None
 
-    dispatcher = Dispatcher(
-        0, {}, RequestQueue(0), None, factory, lambda ranks: 0, lambda ident: None, 42.5,
-        stopped,
-    )
+    dispatcher = Dispatcher(0, {}, None, factory, device_timeout_s=42.5, stopped=stopped)
     state = ProcessSetState(0, (0, 1), comm=object())  # type: ignore[arg-type]
     made = dispatcher.device_comm(state, object())  # type: ignore[arg-type]
     assert isinstance(made, backend.NCCLCommunicator) and made.timeout_s == 42.5

@@ -18,7 +18,6 @@ from baguahvd.backends import nccl as backend
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine import execute
 from baguahvd.engine.dispatch import Dispatcher
-from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
@@ -144,9 +143,7 @@ class Rank:
     def __init__(self) -> None:
         self.nccl = backend.NCCLCommunicator(fake_mpi.members(2)[0])
         state = ProcessSetState(0, (0, 1), comm=object(), device_comm=self.nccl)  # type: ignore[arg-type]
-        self.dispatcher = Dispatcher(
-            0, {0: state}, RequestQueue(0), None, None, lambda ranks: 0, lambda ident: None
-        )
+        self.dispatcher = Dispatcher(0, {0: state})
 
     def submit(self, op: OpType, inputs: list[torch.Tensor],
                outputs: list[torch.Tensor] | None, **fields: object) -> Request:

@@ -20,7 +20,6 @@ from baguahvd.backends import nccl as backend
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.completion import CollectiveFailure
 from baguahvd.engine.dispatch import Dispatcher
-from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
@@ -61,9 +60,7 @@ class Rank:
     def __init__(self) -> None:
         self.nccl = backend.NCCLCommunicator(fake_mpi.members(2)[0])
         state = ProcessSetState(0, (0, 1), comm=object(), device_comm=self.nccl)  # type: ignore[arg-type]
-        self.dispatcher = Dispatcher(
-            0, {0: state}, RequestQueue(0), None, None, lambda ranks: 0, lambda ident: None
-        )
+        self.dispatcher = Dispatcher(0, {0: state})
 
     def allreduce(self, name: str, *shapes: tuple[int, ...], **fields: object) -> tuple[
         Request, list[tuple[Response, Request | None]]

@@ -14,7 +14,6 @@ import torch
 from baguahvd.backends import nccl as backend
 from baguahvd.engine import execute
 from baguahvd.engine.dispatch import Dispatcher
-from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
@@ -42,9 +41,7 @@ class TwoSets:
             ident: ProcessSetState(ident, (0, 1), comm=object(), device_comm=comm)  # type: ignore[arg-type]
             for ident, comm in self.nccl.items()
         }
-        self.dispatcher = Dispatcher(
-            0, states, RequestQueue(0), None, None, lambda ranks: 0, lambda ident: None
-        )
+        self.dispatcher = Dispatcher(0, states)
 
     def fused(self, ident: int, name: str, *shapes: tuple[int, ...]) -> tuple[
         Request, list[tuple[Response, Request | None]]

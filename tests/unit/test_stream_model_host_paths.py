@@ -11,7 +11,6 @@ import torch
 from baguahvd.backends import cuda_support
 from baguahvd.backends.base import SelfCommunicator
 from baguahvd.engine.dispatch import Dispatcher
-from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
@@ -54,9 +53,7 @@ def test_a_host_staged_unit_waits_for_the_producer_and_for_its_own_copies(
 ) -> None:
     comm = _HostStaged()
     state = ProcessSetState(0, (0, 1), comm=comm)  # type: ignore[arg-type]
-    dispatcher = Dispatcher(
-        0, {0: state}, RequestQueue(0), None, lambda c: c, lambda ranks: 0, lambda i: None
-    )
+    dispatcher = Dispatcher(0, {0: state}, None, lambda c: c)
     side = model.stream("side")
     with model.active(), model.use(side):
         inputs = [torch.ones(4, device=CUDA).mul_(3)]
@@ -72,9 +69,7 @@ def test_a_host_staged_unit_waits_for_the_producer_and_for_its_own_copies(
 
 def test_a_single_member_sets_cuda_result_is_ready_after_the_wait(model: StreamModel) -> None:
     state = ProcessSetState(0, (0,), comm=SelfCommunicator())  # type: ignore[arg-type]
-    dispatcher = Dispatcher(
-        0, {0: state}, RequestQueue(0), None, None, lambda ranks: 0, lambda i: None
-    )
+    dispatcher = Dispatcher(0, {0: state})
     side = model.stream("side")
     with model.active(), model.use(side):
         inputs = [torch.ones(4, device=CUDA).mul_(3)]
