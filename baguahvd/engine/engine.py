@@ -63,7 +63,7 @@ from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, OpType
 from baguahvd.engine.negotiation import Negotiator
 from baguahvd.engine.notices import Notice, NoticeKind, describe_exception
 from baguahvd.engine.process_sets import ProcessSetRegistry, not_member_message
-from baguahvd.engine.requests import Entry, Handle, Outcome, Request, deliver
+from baguahvd.engine.requests import Collective, Entry, Handle, Outcome, Request, deliver
 from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline
 from baguahvd.engine.watchdog import Watchdog, process_identity
@@ -319,22 +319,16 @@ class Engine:
         blocking: bool = False,
         fuse: bool = True,
     ) -> Handle:
-        """Queues a collective and returns its handle.
+        """Describes a collective once (a :class:`Collective`), queues it and returns its
+        handle.
 
         Args:
-            op: the collective.
-            label: Horovod's op name used in tensor names (``allreduce``,
-                ``grouped_allgather``...).
+            op, label, name, outputs, reduce_op, prescale, postscale, root, splits,
+                payload, fuse: as :class:`Collective` documents them.
             process_set_id: a registered process set this rank belongs to.
             inputs: the tensors to send (already validated: contiguous, supported dtype).
-            outputs: preallocated outputs where their shape is known, else None.
-            name: the user's name; unnamed requests are matched by their order per process
-                set.
-            root: broadcast root as a rank of the process set.
-            splits: alltoall splits (dim-0 slices per member).
             blocking: the caller waits for the handle right away: the engine thread is
                 woken when it does, once, rather than at the submission too.
-            fuse: False runs an allreduce alone, in place, never fused (as every member).
         """
         stopped = self._lifecycle.error
         if stopped is not None:
@@ -342,11 +336,14 @@ class Engine:
         state = self.process_sets.get(process_set_id)
         if state is None or not state.member:
             raise ProcessSetError(not_member_message(label, state, self.rank))
-        request = self._queue.make_request(
-            op, label, process_set_id, inputs, outputs, name, reduce_op, prescale, postscale,
-            root, splits, payload, fuse,
-        )
-        request.activity = self._activity.name
+        request = self._queue.make_request(Collective(
+            op, label, process_set_id, inputs if type(inputs) is list else list(inputs),
+            outputs if outputs is None or type(outputs) is list else list(outputs), name,
+            reduce_op if type(reduce_op) is ReduceOp else ReduceOp(reduce_op),
+            float(prescale), float(postscale), root,
+            None if splits is None else tuple(int(s) for s in splits), tuple(payload), fuse,
+            self._activity.name,
+        ))
         if len(state.ranks) == 1:
             self._queue.check_unique(request)
             self._dispatch.run_alone(request, state)
@@ -381,9 +378,8 @@ class Engine:
         if not self.running or state is None or not state.member or len(state.ranks) == 1:
             return
         request = self._queue.make_request(
-            op, label, process_set_id, (), None, name, ReduceOp.SUM, 1.0, 1.0, -1, None, (),
+            Collective(op, label, process_set_id, [], None, name, failure=reason)
         )
-        request.meta = request.meta._replace(failure=reason)
         self._queue.put(request, self._lifecycle.stop_error)
 
     @property

@@ -25,17 +25,16 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from baguahvd.backends import cuda_support
 from baguahvd.common.exceptions import CudaGraphCaptureError, DuplicateNameError
-from baguahvd.common.ops import ReduceOp
 from baguahvd.engine import execute
 from baguahvd.engine.cache import UNNAMED_PREFIX, is_unnamed
 from baguahvd.engine.messages import DTYPES, JOIN_KEY, OpType, RequestMeta
-from baguahvd.engine.requests import Request
+from baguahvd.engine.requests import Collective, Request
 
 # A burst of submissions is over once its thread has submitted nothing for this long ...
 QUIET_S = 5e-4
@@ -107,29 +106,15 @@ class RequestQueue:
             if self._noname.get(process_set_id, 0) <= number:
                 self._noname[process_set_id] = number + 1
 
-    def make_request(
-        self,
-        op: OpType,
-        label: str,
-        process_set_id: int,
-        inputs: Sequence[torch.Tensor],
-        outputs: Sequence[torch.Tensor] | None,
-        name: str | None,
-        reduce_op: ReduceOp,
-        prescale: float,
-        postscale: float,
-        root: int,
-        splits: Sequence[int] | None,
-        payload: Sequence[int],
-        fuse: bool = True,
-    ) -> Request:
-        """The request of one call (see :meth:`~baguahvd.engine.engine.Engine.submit`).
+    def make_request(self, collective: Collective) -> Request:
+        """The request of one call: its name and what the ranks compare.
 
         Raises:
             CudaGraphCaptureError: CUDA tensors were submitted while this thread's current
                 stream captures a CUDA graph; refused before the call is named, so that the
                 placeholder of the failed call takes the name the call would have had.
         """
+        op, label, process_set_id, inputs, outputs, name = collective[:6]
         if inputs:
             first = inputs[0]
             # The kind only, as Horovod compares it: each rank drives its own GPU (usually
@@ -169,17 +154,17 @@ class RequestQueue:
             dtype,
             shapes,
             device,
-            reduce_op if type(reduce_op) is ReduceOp else ReduceOp(reduce_op),
-            float(prescale),
-            float(postscale),
-            root,
-            None if splits is None else tuple(int(s) for s in splits),
-            tuple(payload),
-            "",
+            collective.reduce_op,
+            collective.prescale,
+            collective.postscale,
+            collective.root,
+            collective.splits,
+            collective.payload,
+            collective.failure,
             site,
-            fuse,
+            collective.fuse,
         )
-        return Request(meta, inputs, outputs)
+        return Request(meta, inputs, outputs, collective.activity)
 
     def check_unique(self, request: Request) -> None:
         """Raises DuplicateNameError when a request of the same name is in flight."""

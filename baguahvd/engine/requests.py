@@ -9,7 +9,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from baguahvd.engine.messages import RequestMeta, Response
+from baguahvd.common.ops import ReduceOp
+from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.timeline import Timeline
 
 
@@ -78,11 +79,50 @@ class Handle:
             pass
 
 
+class Collective(NamedTuple):
+    """One call, as its caller described it: built once, when it is submitted
+    (:meth:`~baguahvd.engine.engine.Engine.submit`), and never changed. The intake names it
+    and turns it into a :class:`Request`."""
+
+    op: OpType
+    label: str
+    """Horovod's op name used in tensor names (``allreduce``, ``grouped_allgather``...)."""
+    process_set_id: int
+    inputs: list[torch.Tensor]
+    outputs: list[torch.Tensor] | None
+    """Preallocated outputs where their shape is known, else None."""
+    name: str | None = None
+    """The user's name; unnamed collectives pair by their order per process set."""
+    reduce_op: ReduceOp = ReduceOp.SUM
+    prescale: float = 1.0
+    postscale: float = 1.0
+    root: int = -1
+    """Broadcast root, as a rank of the process set."""
+    splits: tuple[int, ...] | None = None
+    """Alltoall: elements of dim 0 sent to each member."""
+    payload: tuple[int, ...] = ()
+    """Op-specific integers (the ranks of a process set being added or removed)."""
+    fuse: bool = True
+    """Allreduce: False runs it alone, in place, never fused."""
+    activity: str | None = None
+    """The timeline activity drawn around its collective, e.g. ``BAGUA_BYTEGRAD`` (see
+    :meth:`baguahvd.engine.engine.Engine.activity`)."""
+    failure: str = ""
+    """A placeholder's reason: the call failed its local checks on this rank (see
+    :meth:`~baguahvd.engine.engine.Engine.take_place`)."""
+
+
 class Request:
-    """A submitted collective: its description, its tensors and its handle."""
+    """A submitted collective on its way through the engine.
+
+    Its description is fixed when it is made: ``meta`` (what the ranks compare and agree
+    on), the tensors it reads and writes and its timeline activity. Its progress is kept
+    apart: the :class:`Handle` it completes through and, for CUDA tensors, ``mark``, noted
+    once before it is queued or run.
+    """
 
     __slots__ = (
-        "meta", "inputs", "outputs", "handle", "submitted", "ident", "activity", "mark"
+        "meta", "inputs", "outputs", "activity", "handle", "submitted", "ident", "mark"
     )
 
     def __init__(
@@ -90,18 +130,18 @@ class Request:
         meta: RequestMeta,
         inputs: Sequence[torch.Tensor],
         outputs: Sequence[torch.Tensor] | None,
+        activity: str | None = None,
     ) -> None:
         self.meta = meta
         self.inputs = inputs if type(inputs) is list else list(inputs)
         self.outputs = outputs if outputs is None or type(outputs) is list else list(outputs)
+        self.activity = activity
+        """The timeline activity drawn around its collective (:attr:`Collective.activity`)."""
         self.handle = Handle(meta.name, ())
         # When the user submitted it: the stall inspector measures waits from here.
         self.submitted = time.monotonic()
         self.ident = (meta.process_set_id, meta.key)
         """What names it among the requests in flight."""
-        self.activity: str | None = None
-        """The timeline activity drawn around its collective, e.g. ``BAGUA_BYTEGRAD`` (see
-        :meth:`baguahvd.engine.engine.Engine.activity`)."""
         self.mark: Any = None
         """Where the submission stands in its submitter's CUDA stream
         (:class:`baguahvd.backends.nccl.StreamMark`), None for CPU tensors."""
