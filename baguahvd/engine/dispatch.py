@@ -105,15 +105,12 @@ class Dispatcher:
         single_rank_nccl: bool = False,
         nccl_average: bool = False,
     ) -> None:
-        self.rank = rank
+        self.rank, self.process_sets, self.registry = rank, process_sets, registry
+        self.timeline, self.device_comms = timeline, device_comms
         self.single_rank_nccl = single_rank_nccl
-        self.nccl_average = nccl_average
-        self.process_sets = process_sets
-        self.registry = registry
-        self.timeline = timeline
-        self.device_comms = device_comms
         self.device_timeout_s = device_timeout_s
-        self.stopped = stopped
+        # What every NCCL communicator made here is given (see _configured).
+        self._nccl_settings = (device_timeout_s, stopped, nccl_average)
         self.buffers = FusionBuffers()
         """The fusion buffers of the data communicators' units (engine thread only); each
         device communicator has its own (:attr:`ProcessSetState.device_buffers`) and each
@@ -281,10 +278,9 @@ class Dispatcher:
         if request.mark is None:
             return False
         if state.device_comm is None:
-            device_comm = nccl.single_rank_communicator(self.device_timeout_s)
-            device_comm.stopped = self.stopped
-            device_comm.native_average = self.nccl_average
-            state.device_comm = device_comm
+            state.device_comm = self._configured(
+                nccl.single_rank_communicator(self.device_timeout_s)
+            )
         return True
 
     def device_comm(self, state: ProcessSetState, comm: Communicator) -> Communicator:
@@ -297,12 +293,16 @@ class Dispatcher:
                     "this engine was built without device communicators; GPU tensors "
                     "cannot be reduced"
                 )
-            state.device_comm = self.device_comms(comm)
-            if isinstance(state.device_comm, nccl.NCCLCommunicator):
-                state.device_comm.timeout_s = self.device_timeout_s
-                state.device_comm.stopped = self.stopped
-                state.device_comm.native_average = self.nccl_average
+            state.device_comm = self._configured(self.device_comms(comm))
         return state.device_comm
+
+    def _configured(self, comm: Communicator) -> Communicator:
+        """``comm`` with this rank's NCCL settings, when it is an NCCL communicator: the
+        timeout of one collective, the engine's stop error (a collective being waited for is
+        abandoned once there is one) and whether Average uses ``ncclAvg``."""
+        if isinstance(comm, nccl.NCCLCommunicator):
+            comm.timeout_s, comm.stopped, comm.native_average = self._nccl_settings
+        return comm
 
     def execute(self, unit: list[Entry], comm: Communicator, run: _Run) -> list[Outcome]:
         """Runs one unit (a fused group of allreduces, or one other collective) with the

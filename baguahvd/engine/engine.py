@@ -57,13 +57,13 @@ from baguahvd.engine.autotune import Autotuner, Settings
 from baguahvd.engine.completion import keep_named
 from baguahvd.engine.dispatch import CollectiveFailure, Dispatcher
 from baguahvd.engine.fusion import plan_fusion, unfused_sizes
-from baguahvd.engine.intake import RequestQueue, ThreadActivity
+from baguahvd.engine.intake import RequestQueue, ThreadActivity, describe_tensors
 from baguahvd.engine.lifecycle import Lifecycle, State
-from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, OpType
+from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, OpType, RequestMeta
 from baguahvd.engine.negotiation import Negotiator
 from baguahvd.engine.notices import Notice, NoticeKind, describe_exception
 from baguahvd.engine.process_sets import ProcessSetRegistry, not_member_message
-from baguahvd.engine.requests import Collective, Entry, Handle, Outcome, Request, deliver
+from baguahvd.engine.requests import Entry, Handle, Outcome, Request, deliver
 from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline
 from baguahvd.engine.watchdog import Watchdog, process_identity
@@ -319,14 +319,18 @@ class Engine:
         blocking: bool = False,
         fuse: bool = True,
     ) -> Handle:
-        """Describes a collective once (a :class:`Collective`), queues it and returns its
-        handle.
+        """Describes a collective once (its :class:`Request`), queues it, returns its handle.
 
         Args:
-            op, label, name, outputs, reduce_op, prescale, postscale, root, splits,
-                payload, fuse: as :class:`Collective` documents them.
+            op: the collective.
+            label: Horovod's op name used in tensor names (``allreduce``,
+                ``grouped_allgather``...).
             process_set_id: a registered process set this rank belongs to.
             inputs: the tensors to send (already validated: contiguous, supported dtype).
+            outputs: preallocated outputs where their shape is known, else None.
+            name: the user's name; unnamed requests pair by their order per process set.
+            reduce_op, prescale, postscale, root, splits, payload, fuse: as
+                :class:`~baguahvd.engine.messages.RequestMeta` documents them.
             blocking: the caller waits for the handle right away: the engine thread is
                 woken when it does, once, rather than at the submission too.
         """
@@ -336,14 +340,17 @@ class Engine:
         state = self.process_sets.get(process_set_id)
         if state is None or not state.member:
             raise ProcessSetError(not_member_message(label, state, self.rank))
-        request = self._queue.make_request(Collective(
-            op, label, process_set_id, inputs if type(inputs) is list else list(inputs),
-            outputs if outputs is None or type(outputs) is list else list(outputs), name,
+        dtype, shapes, device = describe_tensors(inputs, label)
+        key, display, site = self._queue.name(op, label, process_set_id, name)
+        # Positional: the per-request path of every small collective.
+        meta = RequestMeta(
+            key, display, op, process_set_id, self.rank, dtype, shapes, device,
             reduce_op if type(reduce_op) is ReduceOp else ReduceOp(reduce_op),
             float(prescale), float(postscale), root,
-            None if splits is None else tuple(int(s) for s in splits), tuple(payload), fuse,
-            self._activity.name,
-        ))
+            None if splits is None else tuple(int(s) for s in splits), tuple(payload), "",
+            site, fuse,
+        )
+        request = Request(meta, inputs, outputs, self._activity.name)
         if len(state.ranks) == 1:
             self._queue.check_unique(request)
             self._dispatch.run_alone(request, state)
@@ -366,8 +373,7 @@ class Engine:
         not a member of, a set of one rank.
 
         Args:
-            op, label, process_set_id, name: as the failed call would have passed them to
-                :meth:`submit`.
+            op, label, process_set_id, name: as the failed call would have given :meth:`submit`.
             reason: ``Type: message`` of the local error.
 
         Raises:
@@ -377,10 +383,9 @@ class Engine:
         state = self.process_sets.get(process_set_id)
         if not self.running or state is None or not state.member or len(state.ranks) == 1:
             return
-        request = self._queue.make_request(
-            Collective(op, label, process_set_id, [], None, name, failure=reason)
-        )
-        self._queue.put(request, self._lifecycle.stop_error)
+        key, display, site = self._queue.name(op, label, process_set_id, name)
+        meta = RequestMeta(key, display, op, process_set_id, self.rank, failure=reason, site=site)
+        self._queue.put(Request(meta, (), None), self._lifecycle.stop_error)
 
     @property
     def fusion_bytes(self) -> int:

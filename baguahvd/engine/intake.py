@@ -1,10 +1,11 @@
 """Request intake: how user threads hand collectives to the engine thread.
 
-A user thread turns a call into a :class:`~baguahvd.engine.requests.Request` (its
-:class:`~baguahvd.engine.messages.RequestMeta` names it: named requests by
-``label.name``, unnamed ones by their order per process set, ``noname.N``) and appends it to
-the queue; a name may be in flight once at a time. The engine thread takes the whole queue
-at the start of a cycle. A placeholder (a collective that failed its local checks, see
+A user thread describes a call once, as a :class:`~baguahvd.engine.requests.Request` whose
+:class:`~baguahvd.engine.messages.RequestMeta` names it (:meth:`RequestQueue.name`: named
+requests by ``label.name``, unnamed ones by their order per process set, ``noname.N``) and
+holds what the ranks compare (:func:`describe_tensors`), and appends it to the queue; a name
+may be in flight once at a time. The engine thread takes the whole queue at the start of a
+cycle. A placeholder (a collective that failed its local checks, see
 :mod:`~baguahvd.engine.messages`) holds its name like any request, but a request of the same
 name submitted meanwhile (the call retried after the error) is not a duplicate: it waits in
 the intake until the placeholder is done, and is queued then, as the name's next round.
@@ -25,7 +26,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,8 +34,8 @@ from baguahvd.backends import cuda_support
 from baguahvd.common.exceptions import CudaGraphCaptureError, DuplicateNameError
 from baguahvd.engine import execute
 from baguahvd.engine.cache import UNNAMED_PREFIX, is_unnamed
-from baguahvd.engine.messages import DTYPES, JOIN_KEY, OpType, RequestMeta
-from baguahvd.engine.requests import Collective, Request
+from baguahvd.engine.messages import DTYPES, JOIN_KEY, OpType
+from baguahvd.engine.requests import Request
 
 # A burst of submissions is over once its thread has submitted nothing for this long ...
 QUIET_S = 5e-4
@@ -59,6 +60,34 @@ def call_site() -> str:
             return f"{filename}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
     return "<unknown>"
+
+
+def describe_tensors(
+    inputs: Sequence[torch.Tensor], label: str
+) -> tuple[str, tuple[tuple[int, ...], ...], str]:
+    """The dtype name, the shapes and the device kind (``CPU`` or ``GPU``) of a call's
+    tensors, as the ranks compare them.
+
+    Raises:
+        CudaGraphCaptureError: CUDA tensors were submitted while this thread's current
+            stream captures a CUDA graph; refused before the call is named, so that the
+            placeholder of the failed call takes the name the call would have had.
+    """
+    if not inputs:
+        return "", (), "CPU"
+    first = inputs[0]
+    # The kind only, as Horovod compares it: each rank drives its own GPU (usually
+    # cuda:<local_rank>), so indices differ across ranks of one collective.
+    if first.is_cuda:
+        device = "GPU"
+        if cuda_support.stream_capturing():
+            raise CudaGraphCaptureError(label)
+    else:
+        device = "CPU"
+    dtype = _DTYPE_NAMES.get(first.dtype) or execute.dtype_name(first.dtype)
+    if len(inputs) == 1:
+        return dtype, (tuple(first.shape),), device
+    return dtype, tuple(tuple(t.shape) for t in inputs), device
 
 
 class ThreadActivity(threading.local):
@@ -106,65 +135,21 @@ class RequestQueue:
             if self._noname.get(process_set_id, 0) <= number:
                 self._noname[process_set_id] = number + 1
 
-    def make_request(self, collective: Collective) -> Request:
-        """The request of one call: its name and what the ranks compare.
-
-        Raises:
-            CudaGraphCaptureError: CUDA tensors were submitted while this thread's current
-                stream captures a CUDA graph; refused before the call is named, so that the
-                placeholder of the failed call takes the name the call would have had.
-        """
-        op, label, process_set_id, inputs, outputs, name = collective[:6]
-        if inputs:
-            first = inputs[0]
-            # The kind only, as Horovod compares it: each rank drives its own GPU (usually
-            # cuda:<local_rank>), so indices differ across ranks of one collective.
-            if first.is_cuda:
-                device = "GPU"
-                if cuda_support.stream_capturing():
-                    raise CudaGraphCaptureError(label)
-            else:
-                device = "CPU"
-            dtype = _DTYPE_NAMES.get(first.dtype) or execute.dtype_name(first.dtype)
-            shapes = (tuple(first.shape),) if len(inputs) == 1 else tuple(
-                tuple(t.shape) for t in inputs
-            )
-        else:
-            dtype, shapes, device = "", (), "CPU"
-        site = ""
+    def name(
+        self, op: OpType, label: str, process_set_id: int, name: str | None
+    ) -> tuple[str, str, str]:
+        """The negotiation key, the displayed name and the call site (for unnamed requests
+        with BAGUAHVD_CHECK_CALL_SITES, else empty) of a call (see module docstring)."""
         if name is not None and op != OpType.JOIN:
-            key = display = f"{label}.{name}"
-        elif op == OpType.JOIN:
-            key = display = JOIN_KEY
-        else:
-            if self.check_sites:
-                site = call_site()
-            with self.lock:
-                count = self._noname.get(process_set_id, 0)
-                self._noname[process_set_id] = count + 1
-            key = f"{UNNAMED_PREFIX}{count}"
-            display = f"{label}.{UNNAMED_PREFIX}{count}"
-        # Positional: the per-request path of every small collective.
-        meta = RequestMeta(
-            key,
-            display,
-            op,
-            process_set_id,
-            self.rank,
-            dtype,
-            shapes,
-            device,
-            collective.reduce_op,
-            collective.prescale,
-            collective.postscale,
-            collective.root,
-            collective.splits,
-            collective.payload,
-            collective.failure,
-            site,
-            collective.fuse,
-        )
-        return Request(meta, inputs, outputs, collective.activity)
+            key = f"{label}.{name}"
+            return key, key, ""
+        if op == OpType.JOIN:
+            return JOIN_KEY, JOIN_KEY, ""
+        site = call_site() if self.check_sites else ""
+        with self.lock:
+            count = self._noname.get(process_set_id, 0)
+            self._noname[process_set_id] = count + 1
+        return f"{UNNAMED_PREFIX}{count}", f"{label}.{UNNAMED_PREFIX}{count}", site
 
     def check_unique(self, request: Request) -> None:
         """Raises DuplicateNameError when a request of the same name is in flight."""

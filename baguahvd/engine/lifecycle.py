@@ -60,29 +60,25 @@ class Event(enum.Enum):
     LEAVE = "leave"
 
 
-_S, _E = State, Event
+def _row(
+    begin: State, end: State, stop: State, fail: State = State.FAILED
+) -> dict[Event, State]:
+    """A state's transitions: a lost MPI always leads to ``STUCK`` and leaving to
+    ``LEAVING``, whatever the state (both are the worst of their kind)."""
+    return {
+        Event.BEGIN_CYCLE: begin, Event.END_CYCLE: end, Event.STOP: stop, Event.FAIL: fail,
+        Event.LOSE_MPI: State.STUCK, Event.LEAVE: State.LEAVING,
+    }
+
+
+_S = State
 _TRANSITIONS: dict[State, dict[Event, State]] = {
-    _S.IDLE: {
-        _E.BEGIN_CYCLE: _S.NEGOTIATING, _E.END_CYCLE: _S.IDLE, _E.STOP: _S.STOPPED,
-        _E.FAIL: _S.FAILED, _E.LOSE_MPI: _S.STUCK, _E.LEAVE: _S.LEAVING,
-    },
-    _S.NEGOTIATING: {
-        _E.BEGIN_CYCLE: _S.NEGOTIATING, _E.END_CYCLE: _S.IDLE, _E.STOP: _S.STOPPED,
-        _E.FAIL: _S.FAILED, _E.LOSE_MPI: _S.STUCK, _E.LEAVE: _S.LEAVING,
-    },
+    _S.IDLE: _row(begin=_S.NEGOTIATING, end=_S.IDLE, stop=_S.STOPPED),
+    _S.NEGOTIATING: _row(begin=_S.NEGOTIATING, end=_S.IDLE, stop=_S.STOPPED),
     # Once stopped, cycles change nothing; a failure or a lost MPI still makes it worse.
-    _S.STOPPED: {
-        _E.BEGIN_CYCLE: _S.STOPPED, _E.END_CYCLE: _S.STOPPED, _E.STOP: _S.STOPPED,
-        _E.FAIL: _S.FAILED, _E.LOSE_MPI: _S.STUCK, _E.LEAVE: _S.LEAVING,
-    },
-    _S.FAILED: {
-        _E.BEGIN_CYCLE: _S.FAILED, _E.END_CYCLE: _S.FAILED, _E.STOP: _S.FAILED,
-        _E.FAIL: _S.FAILED, _E.LOSE_MPI: _S.STUCK, _E.LEAVE: _S.LEAVING,
-    },
-    _S.STUCK: {
-        _E.BEGIN_CYCLE: _S.STUCK, _E.END_CYCLE: _S.STUCK, _E.STOP: _S.STUCK,
-        _E.FAIL: _S.STUCK, _E.LOSE_MPI: _S.STUCK, _E.LEAVE: _S.LEAVING,
-    },
+    _S.STOPPED: _row(begin=_S.STOPPED, end=_S.STOPPED, stop=_S.STOPPED),
+    _S.FAILED: _row(begin=_S.FAILED, end=_S.FAILED, stop=_S.FAILED),
+    _S.STUCK: _row(begin=_S.STUCK, end=_S.STUCK, stop=_S.STUCK, fail=_S.STUCK),
     _S.LEAVING: {event: _S.LEAVING for event in Event},
 }
 
@@ -117,9 +113,7 @@ class Lifecycle:
         exit_timeout_s: float,
         on_stop: Callable[[BaseException], None],
     ) -> None:
-        self.rank = rank
-        self.size = size
-        self.control = control
+        self.rank, self.size, self.control = rank, size, control
         self.exit_timeout_s = exit_timeout_s
         self._on_stop = on_stop
         self._lock = threading.Lock()

@@ -96,9 +96,7 @@ class Negotiator:
         inspector: StallInspector,
         timeline: Timeline | None,
     ) -> None:
-        self.rank = rank
-        self.size = size
-        self.control = control
+        self.rank, self.size, self.control = rank, size, control
         self.process_sets = process_sets
         self.timeline = timeline
         self.inspector = inspector

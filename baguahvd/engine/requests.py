@@ -9,8 +9,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from baguahvd.common.ops import ReduceOp
-from baguahvd.engine.messages import OpType, RequestMeta, Response
+from baguahvd.engine.messages import RequestMeta, Response
 from baguahvd.engine.timeline import Timeline
 
 
@@ -79,46 +78,15 @@ class Handle:
             pass
 
 
-class Collective(NamedTuple):
-    """One call, as its caller described it: built once, when it is submitted
-    (:meth:`~baguahvd.engine.engine.Engine.submit`), and never changed. The intake names it
-    and turns it into a :class:`Request`."""
-
-    op: OpType
-    label: str
-    """Horovod's op name used in tensor names (``allreduce``, ``grouped_allgather``...)."""
-    process_set_id: int
-    inputs: list[torch.Tensor]
-    outputs: list[torch.Tensor] | None
-    """Preallocated outputs where their shape is known, else None."""
-    name: str | None = None
-    """The user's name; unnamed collectives pair by their order per process set."""
-    reduce_op: ReduceOp = ReduceOp.SUM
-    prescale: float = 1.0
-    postscale: float = 1.0
-    root: int = -1
-    """Broadcast root, as a rank of the process set."""
-    splits: tuple[int, ...] | None = None
-    """Alltoall: elements of dim 0 sent to each member."""
-    payload: tuple[int, ...] = ()
-    """Op-specific integers (the ranks of a process set being added or removed)."""
-    fuse: bool = True
-    """Allreduce: False runs it alone, in place, never fused."""
-    activity: str | None = None
-    """The timeline activity drawn around its collective, e.g. ``BAGUA_BYTEGRAD`` (see
-    :meth:`baguahvd.engine.engine.Engine.activity`)."""
-    failure: str = ""
-    """A placeholder's reason: the call failed its local checks on this rank (see
-    :meth:`~baguahvd.engine.engine.Engine.take_place`)."""
-
-
 class Request:
     """A submitted collective on its way through the engine.
 
-    Its description is fixed when it is made: ``meta`` (what the ranks compare and agree
-    on), the tensors it reads and writes and its timeline activity. Its progress is kept
-    apart: the :class:`Handle` it completes through and, for CUDA tensors, ``mark``, noted
-    once before it is queued or run.
+    Its description is built once, at submission
+    (:meth:`~baguahvd.engine.engine.Engine.submit`), and never changed: ``meta`` (its name,
+    op, process set, dtype, shapes, scaling, root, splits...: what the ranks compare and
+    agree on), the tensors it reads and writes and its timeline activity. Its progress is
+    kept apart: the :class:`Handle` it completes through and, for CUDA tensors, ``mark``,
+    noted once before it is queued or run.
     """
 
     __slots__ = (
@@ -136,7 +104,8 @@ class Request:
         self.inputs = inputs if type(inputs) is list else list(inputs)
         self.outputs = outputs if outputs is None or type(outputs) is list else list(outputs)
         self.activity = activity
-        """The timeline activity drawn around its collective (:attr:`Collective.activity`)."""
+        """The timeline activity drawn around its collective, e.g. ``BAGUA_BYTEGRAD`` (see
+        :meth:`baguahvd.engine.engine.Engine.activity`)."""
         self.handle = Handle(meta.name, ())
         # When the user submitted it: the stall inspector measures waits from here.
         self.submitted = time.monotonic()
