@@ -22,6 +22,27 @@ in a loop, and every rank resumes from the state the job last committed.
   commit). When two launches in a row fail that way with the same error, relaunching cannot
   help, so the launcher ends the job with that error.
 
+In-process recovery (``baguahvdrun --gloo --elastic``): the launcher starts the ranks
+itself and keeps them across failures and host changes. The ranks of one launch meet in
+*rounds*, numbered from ``0``; each round has its own TCP store, hosted by its rank 0.
+
+* Every rank also gets :data:`WORKER_ENV` (its worker id, fixed for the life of the
+  process), :data:`ROUND_ENV` (the round it was started for: ``0`` for the ranks of a new
+  launch, more for one started to fill a slot of a running job, which then skips resuming
+  from the folder and takes its state from rank 0) and :data:`ROUND_TIMEOUT_ENV` (how long
+  a rank waits for the next round).
+* The launcher writes ``<ELASTIC_DIR>/``:data:`ROUND_FILE` atomically before it starts any
+  rank of a round: JSON ``{"launch": l, "round": r, "workers": {"<worker id>":
+  {"<variable>": "<value>", ...}}}``, the launcher variables (rank, size, store address) of
+  every member. A worker missing from a round has been left out (its slot was removed) and
+  ends with status 0.
+* A rank whose collective failed, or that saw a host change, shuts its engine down and
+  creates ``<ELASTIC_DIR>/``:data:`ROUND_REQUEST_PREFIX` ``<launch>.<round>.<worker id>``
+  (empty); the launcher forms the next round when it finds a request for its current round
+  or when a rank of it exits with a non-zero status, and starts ranks only for the slots no
+  surviving rank fills. A rank that waits longer than :data:`ROUND_TIMEOUT_ENV` for a newer
+  round raises an error naming the round it waited for.
+
 The ranks own the rest of the folder (see :mod:`baguahvd.torch.elastic.store`):
 
 * :data:`JOB_FILE` names the job: JSON ``{"job_id": "<32 hex digits>", "format": 2}``,
@@ -75,3 +96,14 @@ FINISHED_FILE: Final = "finished.json"
 """Written into :data:`ELASTIC_DIR_ENV`'s folder when the training function returned."""
 COMMIT_FORMAT: Final = 2
 """Version of the commit files and of :data:`JOB_FILE`."""
+
+ROUND_FILE: Final = "round.json"
+"""In-process recovery: the current round's members and their launcher variables."""
+ROUND_REQUEST_PREFIX: Final = "round-request."
+"""In-process recovery: prefix of a rank's request for a new round."""
+WORKER_ENV: Final = "BAGUAHVD_ELASTIC_WORKER"
+"""In-process recovery: the rank's worker id, the key of its entry in :data:`ROUND_FILE`."""
+ROUND_ENV: Final = "BAGUAHVD_ELASTIC_ROUND"
+"""In-process recovery: the round the rank was started for."""
+ROUND_TIMEOUT_ENV: Final = "BAGUAHVD_ELASTIC_ROUND_TIMEOUT"
+"""In-process recovery: seconds a rank waits for the next round (``--elastic-timeout``)."""

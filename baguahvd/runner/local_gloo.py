@@ -75,23 +75,37 @@ def rank_environments(
     args: argparse.Namespace, env: Mapping[str, str], num_proc: int, port: int
 ) -> list[dict[str, str]]:
     """Each rank's environment: the options' variables (as for mpirun) plus torchrun's."""
+    base = shared_environment(args, env)
+    return [dict(base, **rank_variables(rank, num_proc, port)) for rank in range(num_proc)]
+
+
+def shared_environment(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, str]:
+    """What every rank's environment holds besides :func:`rank_variables`: the options'
+    variables (as for mpirun), without other launchers' rank variables."""
     base, _ = rank_environment(args, env)
     for name in list(base):
         if name.startswith(_FOREIGN_PREFIXES) or name in _FOREIGN_NAMES:
             del base[name]
     base.update(
-        WORLD_SIZE=str(num_proc),
-        LOCAL_WORLD_SIZE=str(num_proc),
         GROUP_RANK="0",
         GROUP_WORLD_SIZE="1",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         BAGUAHVD_CPU_BACKEND="gloo",
     )
-    return [
-        dict(base, RANK=str(rank), LOCAL_RANK=str(rank), **horovod_variables(rank, num_proc))
-        for rank in range(num_proc)
-    ]
+    return base
+
+
+def rank_variables(rank: int, num_proc: int, port: int) -> dict[str, str]:
+    """The variables that make a process rank ``rank`` of ``num_proc`` meeting on the TCP
+    store at ``port``: torchrun's and Horovod's."""
+    return dict(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(num_proc),
+        LOCAL_WORLD_SIZE=str(num_proc),
+        MASTER_PORT=str(port),
+        **horovod_variables(rank, num_proc),
+    )
 
 
 def horovod_variables(rank: int, num_proc: int) -> dict[str, str]:
@@ -156,7 +170,7 @@ def run_ranks(
                     )
                     copier.start()
                     copiers.append(copier)
-        status = _wait(children)
+        status = wait_all(children)
         for copier in copiers:
             copier.join()
         return status
@@ -185,7 +199,9 @@ def copy_lines(
     source.close()
 
 
-def _wait(children: Sequence[subprocess.Popen[bytes]]) -> int:
+def wait_all(children: Sequence[subprocess.Popen[bytes]]) -> int:
+    """Waits for every child and returns the worst status; once one has failed, the others
+    get :data:`GRACE_S` seconds, then SIGTERM, then SIGKILL after :data:`KILL_AFTER_S`."""
     failed_at: float | None = None
     terminated_at: float | None = None
     while True:

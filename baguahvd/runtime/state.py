@@ -63,8 +63,10 @@ class Runtime:
         """The MPI communicator of the job, or its :class:`~baguahvd.backends.gloo.GlooWorld`."""
         self.transport: Transport | None = None
         # The gloo job's store, reached at the first init() and kept for later ones (rank 0
-        # may host it: a second one could not listen on the same port).
+        # may host it: a second one could not listen on the same port), until the launcher
+        # names another address (an elastic job's next round).
         self._gloo_store: Any = None
+        self._gloo_store_address: tuple[Any, ...] = ()
         # An MPI job's gloo data plane (BAGUAHVD_CPU_BACKEND), where it has one.
         self._split_world: Any = None
         # Makes device communicators; the engine's process sets and new_device_communicator.
@@ -235,8 +237,12 @@ class Runtime:
         logging_setup.configure(launch.rank, config.log_level, config.log_hide_time)
         # A collective waits for its peers as long as the watchdog lets it (0: forever).
         group_timeout_s = config.peer_timeout_s or 7 * 24 * 3600.0
-        if self._gloo_store is None:
+        address = (launch.store_host, launch.store_port, launch.rendezvous_host,
+                   launch.rendezvous_port, launch.rank == 0)
+        if self._gloo_store is None or address != self._gloo_store_address:
+            self._gloo_store = None  # a store this rank hosts closes before a new one opens
             self._gloo_store = gloo.connect_store(launch, config.gloo_timeout_s)
+            self._gloo_store_address = address
         world = gloo.GlooWorld(
             self._gloo_store, launch.rank, launch.size, group_timeout_s + 60,
             launch.interface, launch.restart,

@@ -45,6 +45,12 @@ OUT = os.environ["OUT"]
 
 hvd.init()
 launch = int(os.environ.get("BAGUAHVD_ELASTIC_RESTART", "0"))
+
+
+def first_try():  # the first launch, and there the first round (in-process recovery)
+    return launch == 0 and os.environ.get("BAGUAHVD_ELASTIC_ROUND", "0") == "0"
+
+
 torch.manual_seed(0)
 generator = torch.Generator().manual_seed(1)
 x = torch.randn(96, 8, generator=generator)
@@ -75,10 +81,10 @@ def train(state):
           flush=True)
     while state.epoch < EPOCHS:
         for batch_idx, (data, target) in enumerate(loader):
-            if launch == 0 and hvd.rank() == KILL_RANK and state.steps == KILL_STEP:
+            if first_try() and hvd.rank() == KILL_RANK and state.steps == KILL_STEP:
                 print(f"killing rank {hvd.rank()} at step {state.steps}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            if launch == 0 and hvd.rank() == 0 and state.steps == GROW_AT_STEP:
+            if first_try() and hvd.rank() == 0 and state.steps == GROW_AT_STEP:
                 with open(os.environ["DISCOVERED"], "w") as hosts:
                     hosts.write("localhost:3\\n")
                 notice = os.path.join(os.environ["BAGUAHVD_ELASTIC_DIR"], "hosts.json")
@@ -94,7 +100,7 @@ def train(state):
             if state.steps % COMMIT_EVERY == 0:
                 state.commit()
                 writer = state._writer
-                if launch == 0 and state.steps == KILL_IN_WRITE_STEP and writer and writer.busy:
+                if first_try() and state.steps == KILL_IN_WRITE_STEP and writer and writer.busy:
                     print(f"killing rank {hvd.rank()} during the write of commit "
                           f"{state._commits}", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -45,6 +45,7 @@ from baguahvd.runner.elastic.settings import (
     HostDiscoveryError,
     NotEnoughSlotsError,
     launch_size,
+    say,
 )
 from baguahvd.runner.hosts import Host, LaunchError, format_hosts, parse_hostfile, same_host
 from baguahvd.runner.mpirun import build_command
@@ -115,10 +116,6 @@ def _slot_map(hosts: Iterable[Host]) -> dict[str, int]:
     return {host.name: host.slots for host in hosts}
 
 
-def _say(message: str) -> None:
-    print(f"baguahvdrun: {message}", file=sys.stderr, flush=True)
-
-
 def _copy_stream(source: IO[bytes], tail: collections.deque[str]) -> None:
     """Copies ``mpirun``'s stderr to ours unchanged, keeping its last lines for scanning."""
     for line in iter(source.readline, b""):
@@ -176,6 +173,10 @@ class ElasticLauncher:
         self._stop = threading.Event()
         self._signal: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
+        # Failures recovered so far (against --max-restarts), and resets done inside a
+        # launch (against --reset-limit, with the relaunches).
+        self._failures = 0
+        self._resets_in_place = 0
 
     def run(self) -> int:
         """Runs the job to its end.
@@ -189,10 +190,10 @@ class ElasticLauncher:
         try:
             self._prepare_directory()
             if self._settings.discovery_script is None and self._args.slots_per_host:
-                _say("warning: --slots-per-host applies to --host-discovery-script only")
+                say("warning: --slots-per-host applies to --host-discovery-script only")
             status = self._loop()
         except ElasticError as error:
-            _say(f"error: {error}")
+            say(f"error: {error}")
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -205,7 +206,6 @@ class ElasticLauncher:
         settings = self._settings
         self._refresh_hosts(strict=True)
         launches = 0
-        failures = 0
         reason = ""
         startup_error: str | None = None  # the previous launch's, if it failed starting up
         while True:
@@ -217,7 +217,7 @@ class ElasticLauncher:
             else:
                 self._note_hosts(hosts)
             launches += 1
-            _say(f"launch {launches}{reason} on {format_hosts(hosts)} ({size} ranks)")
+            say(f"launch {launches}{reason} on {format_hosts(hosts)} ({size} ranks)")
             self._clear_training_mark()
             status, report = self._launch_once(launches - 1, hosts, size)
             if self._signal is not None:
@@ -226,7 +226,7 @@ class ElasticLauncher:
                 return 0
             error = None if self._training_started() else last_exception(report)
             if status != RESIZE_EXIT_CODE and error is not None and error == startup_error:
-                _say(
+                say(
                     f"launch {launches} failed with status {status} before any rank started "
                     f"training, with the same error as the launch before: {error}; "
                     "not relaunching"
@@ -239,30 +239,30 @@ class ElasticLauncher:
                 else f"failed with status {status}"
             )
             limit = settings.reset_limit
-            if limit is not None and launches - 1 >= limit:
-                _say(f"launch {launches} {what}; not relaunching: --reset-limit {limit} reached")
+            if limit is not None and launches - 1 + self._resets_in_place >= limit:
+                say(f"launch {launches} {what}; not relaunching: --reset-limit {limit} reached")
                 return status
             if status != RESIZE_EXIT_CODE and program_not_started(report):
-                _say(
+                say(
                     f"launch {launches} {what}: mpirun could not start the program; not relaunching"
                 )
                 return status
             if status == RESIZE_EXIT_CODE:
-                _say(f"launch {launches} {what}; relaunching on the new hosts")
+                say(f"launch {launches} {what}; relaunching on the new hosts")
                 reason = " (hosts changed)"
             else:
-                if failures >= settings.max_restarts:
-                    _say(
-                        f"launch {launches} {what}; giving up after {failures} restarts "
+                if self._failures >= settings.max_restarts:
+                    say(
+                        f"launch {launches} {what}; giving up after {self._failures} restarts "
                         f"(--max-restarts {settings.max_restarts})"
                     )
                     return status
-                failures += 1
-                _say(
+                self._failures += 1
+                say(
                     f"launch {launches} {what}; relaunching "
-                    f"(restart {failures} of {settings.max_restarts})"
+                    f"(restart {self._failures} of {settings.max_restarts})"
                 )
-                reason = f" (restart {failures} of {settings.max_restarts})"
+                reason = f" (restart {self._failures} of {settings.max_restarts})"
                 self._leave_out(failed_nodes(report))
             self._refresh_hosts(strict=False)
 
@@ -292,7 +292,7 @@ class ElasticLauncher:
                     "add hosts, lower --min-np or raise --elastic-timeout"
                 )
             if not waiting:
-                _say(
+                say(
                     f"waiting up to {settings.timeout:g} s for {settings.min_np} slots; {available}"
                 )
                 waiting = True
@@ -308,6 +308,27 @@ class ElasticLauncher:
         env[ELASTIC_DIR_ENV] = self._directory
         env[RESTART_ENV] = str(index)
         env[HOSTS_VERSION_ENV] = str(self._version)
+        sys.stdout.flush()
+        poller: threading.Thread | None = None
+        poller_stop = threading.Event()
+        if self._settings.discovery_script is not None:
+            poller = threading.Thread(
+                target=self._poll_hosts, args=(poller_stop,), name="baguahvd-discovery"
+            )
+            poller.daemon = True
+            poller.start()
+        try:
+            return self._run_launch(index, hosts, size, env)
+        finally:
+            poller_stop.set()
+            if poller is not None:
+                poller.join()
+
+    def _run_launch(
+        self, index: int, hosts: list[Host], size: int, env: dict[str, str]
+    ) -> tuple[int, str]:
+        """Runs launch ``index`` of ``size`` ranks on ``hosts``, whose ranks inherit
+        ``env``; returns its status and the end of its stderr."""
         try:
             command, child_env = build_command(
                 self._args,
@@ -320,22 +341,9 @@ class ElasticLauncher:
         except LaunchError as error:
             raise ElasticError(str(error)) from None
         if self._args.verbose:
-            _say(shlex.join(command))
+            say(shlex.join(command))
         sys.stdout.flush()
-        poller: threading.Thread | None = None
-        poller_stop = threading.Event()
-        if self._settings.discovery_script is not None:
-            poller = threading.Thread(
-                target=self._poll_hosts, args=(poller_stop,), name="baguahvd-discovery"
-            )
-            poller.daemon = True
-            poller.start()
-        try:
-            return self._run_mpirun(command, child_env)
-        finally:
-            poller_stop.set()
-            if poller is not None:
-                poller.join()
+        return self._run_mpirun(command, child_env)
 
     def _run_mpirun(self, command: list[str], env: dict[str, str]) -> tuple[int, str]:
         tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
@@ -384,7 +392,7 @@ class ElasticLauncher:
         except HostDiscoveryError as error:
             if strict:
                 raise
-            _say(f"warning: {error}; keeping the hosts {format_hosts(self._discovered)}")
+            say(f"warning: {error}; keeping the hosts {format_hosts(self._discovered)}")
             return
         with self._lock:
             self._discovered = hosts
@@ -394,7 +402,7 @@ class ElasticLauncher:
             try:
                 hosts = self._read_hosts()
             except HostDiscoveryError as error:
-                _say(f"warning: {error}; keeping the hosts {format_hosts(self._discovered)}")
+                say(f"warning: {error}; keeping the hosts {format_hosts(self._discovered)}")
                 continue
             with self._lock:
                 if stop.is_set():
@@ -421,9 +429,9 @@ class ElasticLauncher:
                 json.dump(notice, handle)
             os.replace(temporary, path)
         except OSError as error:
-            _say(f"warning: cannot write the host notice {path}: {error.strerror}")
+            say(f"warning: cannot write the host notice {path}: {error.strerror}")
             return
-        _say(f"hosts {result}: now {format_hosts(hosts)} (hosts version {self._version})")
+        say(f"hosts {result}: now {format_hosts(hosts)} (hosts version {self._version})")
 
     def _usable(self, hosts: Sequence[Host]) -> list[Host]:
         now = time.monotonic()
@@ -443,7 +451,7 @@ class ElasticLauncher:
         for node in nodes:
             seconds = random.uniform(*cooldown)
             self._blacklist[node] = time.monotonic() + seconds
-            _say(f"leaving host {node} out for {seconds:.1f} s (--blacklist-cooldown-range)")
+            say(f"leaving host {node} out for {seconds:.1f} s (--blacklist-cooldown-range)")
 
     def _left_out_text(self) -> str:
         if not self._blacklist:
@@ -489,7 +497,7 @@ class ElasticLauncher:
         if status == 0:
             shutil.rmtree(self._directory, ignore_errors=True)
         else:
-            _say(
+            say(
                 f"kept the job's elastic state in {self._directory}; resume from it with "
                 f"--checkpoint-dir {self._directory}"
             )

@@ -9,6 +9,7 @@ within ``--min-np``/``--max-np``).
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -20,6 +21,12 @@ POLL_SECONDS_ENV = "BAGUAHVD_ELASTIC_POLL_SECONDS"
 """Launcher setting: seconds between two runs of the discovery script (default 1)."""
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_ELASTIC_TIMEOUT = 600.0
+
+
+def say(message: str) -> None:
+    """Writes one of the launcher's own messages to stderr, with the ``baguahvdrun:``
+    prefix."""
+    print(f"baguahvdrun: {message}", file=sys.stderr, flush=True)
 
 
 class ElasticError(RuntimeError):

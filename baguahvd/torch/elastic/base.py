@@ -1,7 +1,7 @@
 """Elastic training: states that survive a restart, and the retry loop around training.
 
-Horovod re-forms its Gloo ring inside the running processes. baguahvd runs on MPI, whose
-world cannot shrink or grow in place, so it recovers by restarting the job instead:
+Horovod re-forms its Gloo ring inside the running processes. An MPI job's world cannot
+shrink or grow in place, so baguahvd recovers it by restarting the job instead:
 
 1. ``state.commit()`` keeps a copy of the state in memory on every rank (``save()``) and,
    when ``BAGUAHVD_ELASTIC_DIR`` is set (``baguahvdrun --elastic`` sets it), persists that
@@ -26,10 +26,18 @@ world cannot shrink or grow in place, so it recovers by restarting the job inste
    training function again. Training resumes exactly at the
    last commit: no step is lost and none is applied twice.
 
+Under ``baguahvdrun --gloo --elastic`` the ranks recover in place instead (steps 2 and 3
+become Horovod's): a rank whose collective fails (``HorovodInternalError``) restores its
+last in-memory commit, a rank that sees a host change keeps its state; both shut the
+engine down and join the next round of the job's ranks (:mod:`.rounds`), where the
+launcher has started processes only for lost or added slots; then the reset callbacks run
+and every rank syncs from rank 0, a survivor. Only when every rank is lost does the job
+restart from the folder.
+
 When the launcher's host discovery reports a change, it writes a notice into the folder;
 the next ``commit()`` sees it on rank 0, every rank raises :class:`HostsUpdatedInterrupt`
 and the wrapper ends the job with :data:`~baguahvd.common.elastic_protocol.RESIZE_EXIT_CODE`
-so that the launcher relaunches it on the new hosts at once.
+so that the launcher relaunches it on the new hosts at once (in place under ``--gloo``).
 
 When the training function returns, the folder records that the job finished. A later
 run on the folder (launch ``0``) does not resume it: by default it says so and starts
@@ -48,6 +56,7 @@ from typing import Any, TypeVar
 from baguahvd.common import elastic_protocol as protocol
 from baguahvd.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from baguahvd.runtime.state import runtime
+from baguahvd.torch.elastic import rounds
 from baguahvd.torch.elastic.store import (
     CheckpointStore,
     CommitError,
@@ -269,6 +278,11 @@ class State:
         logger.info("resuming from commit %d (found by rank %d)", newest, holder)
         return True
 
+    def _sync_commit_number(self) -> None:
+        """Gives every rank rank 0's commit count, so that a rank that joined a running
+        job numbers its commits on. Collective."""
+        self._commits = self._bcast_object(self._commits, 0, name="elastic.commit_number")
+
     def _finished_job_handled(self) -> bool:
         """Applies the finished-job rule; True when the job starts afresh. Collective."""
         assert self._store is not None and self._allgather_object is not None
@@ -390,7 +404,12 @@ def run_fn(func: Callable[..., _Result], reset: Callable[[], None]) -> Callable[
     re-initialises in place and training resumes after the reset callbacks. A failed
     collective (``HorovodInternalError``) ends this rank, after the commit write in
     flight: the job cannot continue on a broken MPI world, and ``baguahvdrun --elastic``
-    restarts it from the last durable commit. When ``func`` returns, its last commit is
+    restarts it from the last durable commit. Under ``baguahvdrun --gloo --elastic`` both
+    are handled in place, as Horovod does: a failed collective restores the last
+    in-memory commit, a host change keeps the state as committed; ``reset()`` joins the
+    next round of ranks (:mod:`.rounds`), the reset callbacks run and every rank syncs
+    from rank 0 (a rank started for that round skips the folder and takes its state from
+    that sync). When ``func`` returns, its last commit is
     made durable (raising :class:`CommitWriteError` if that fails) before the folder
     records that the job finished.
 
@@ -406,34 +425,52 @@ def run_fn(func: Callable[..., _Result], reset: Callable[[], None]) -> Callable[
     def wrapper(state: State, *args: Any, **kwargs: Any) -> _Result:
         config = runtime.config
         relaunched = config is not None and config.elastic_restart > 0
-        if state._resume() or relaunched:
-            state.on_reset()
+        in_place = rounds.in_process()
+        if in_place and rounds.joins_running_job():
+            state._resumed = True  # rank 0, a survivor, has the job's state
+            needs_reset = True
+        else:
+            needs_reset = state._resume() or relaunched
         skip_sync = False
         while True:
-            if not skip_sync:
-                state.sync()
-            if state._store is not None:
-                state._store.mark_training()
             try:
-                result = func(state, *args, **kwargs)
-            except HostsUpdatedInterrupt as interrupt:
+                if needs_reset:
+                    state.on_reset()
+                if not skip_sync:
+                    state.sync()
+                    if in_place:
+                        state._sync_commit_number()
                 if state._store is not None:
+                    state._store.mark_training()
+                result = func(state, *args, **kwargs)
+            except HorovodInternalError as error:
+                if not in_place:
+                    if state._store is None:
+                        logger.error(
+                            "a collective failed; run under `baguahvdrun --elastic` to "
+                            "restart from the last commit"
+                        )
+                    state._settle_after_error()
+                    raise
+                logger.warning("recovering in place from: %s", str(error).splitlines()[0])
+                state.restore()
+                skip_sync = False
+            except HostsUpdatedInterrupt as interrupt:
+                if in_place:
+                    skip_sync = False  # ranks started for added slots need the state
+                elif state._store is not None:
                     logger.info("the hosts changed; ending this launch to resize the job")
                     state.wait_for_commit()  # the relaunch resumes from this commit
                     raise SystemExit(protocol.RESIZE_EXIT_CODE) from None
-                skip_sync = interrupt.skip_sync
-            except BaseException as error:
-                if isinstance(error, HorovodInternalError) and state._store is None:
-                    logger.error(
-                        "a collective failed; run under `baguahvdrun --elastic` to restart "
-                        "from the last commit"
-                    )
+                else:
+                    skip_sync = interrupt.skip_sync
+            except BaseException:
                 state._settle_after_error()
                 raise
             else:
                 state._finish()
                 return result
             reset()
-            state.on_reset()
+            needs_reset = True
 
     return wrapper

@@ -6,12 +6,16 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from baguahvd.runtime.state import runtime
+from baguahvd.torch.elastic import rounds
 from baguahvd.torch.elastic.base import run_fn
 
 _Result = TypeVar("_Result")
 
 
 def _reset() -> None:
+    if rounds.in_process():
+        rounds.rejoin(runtime.shutdown, runtime.init)
+        return
     runtime.shutdown()
     runtime.init()
 

@@ -350,7 +350,7 @@ class CheckpointStore:
         for name in names:
             match = _COMMIT_FILE.match(name)
             if match is None:
-                if name not in _FOLDER_FILES and not name.startswith(_TEMPORARY_PREFIX):
+                if name not in _FOLDER_FILES and not name.startswith(_PASSING_PREFIXES):
                     self._warn(name, f"ignoring {self._path(name)}: not a file of this job")
                 continue
             if match.group(3) == "pt":
@@ -433,8 +433,12 @@ _FOLDER_FILES = frozenset(
         protocol.FINISHED_FILE,
         protocol.HOSTS_NOTICE_FILE,
         protocol.TRAINING_MARK_FILE,
+        protocol.ROUND_FILE,
     }
 )
+# Files that come and go beside the commits: temporary commit files, in-process recovery's
+# round requests and the round file being replaced.
+_PASSING_PREFIXES = (_TEMPORARY_PREFIX, protocol.ROUND_REQUEST_PREFIX, f"{protocol.ROUND_FILE}.")
 
 
 def _job_record(job_id: str) -> bytes:

@@ -1,0 +1,326 @@
+"""``baguahvdrun --gloo --elastic``: recovery inside the running ranks.
+
+A gloo job can change its membership in place, so under ``--gloo`` a launch is not one
+``mpirun`` but a pool of local rank processes that the launcher keeps across failures and
+host changes, meeting in *rounds* (the protocol is
+:mod:`baguahvd.common.elastic_protocol`'s; the ranks' side is
+:mod:`baguahvd.torch.elastic.rounds`):
+
+* Round ``0`` of a launch starts one process per rank, as ``baguahvdrun --gloo`` does, each
+  with a worker id that names it for the rest of its life.
+* When a rank of the current round exits with a non-zero status (a kill -9, an exception)
+  or asks for a new round (a rank whose collective failed, or that saw a host change at a
+  commit), the launcher forms the next round at once: it reads the hosts, keeps the
+  surviving workers in their rank order (rank 0 of the new round is a survivor and holds
+  the state every rank syncs from), leaves the surplus out when slots were removed, picks
+  a new TCP port for the round's store, writes the round file, and starts processes only
+  for the slots no survivor fills. Survivors restore their last in-memory commit there;
+  nothing restarts.
+* A failure counts against ``--max-restarts`` and every round after the first against
+  ``--reset-limit``, as relaunches do.
+* When every rank of the round has failed, the launch has failed: the relaunch loop of
+  :class:`~baguahvd.runner.elastic.launcher.ElasticLauncher` starts a new launch, which
+  resumes from the commits in the folder (the restart-based path of MPI jobs).
+* Once a rank of the current round ends with status 0, training is over: no round is
+  formed any more, and the launch's status is the worst of its ranks'.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO
+
+from baguahvd.common.elastic_protocol import (
+    ROUND_ENV,
+    ROUND_FILE,
+    ROUND_REQUEST_PREFIX,
+    ROUND_TIMEOUT_ENV,
+    WORKER_ENV,
+)
+from baguahvd.runner.elastic.launcher import ElasticLauncher
+from baguahvd.runner.elastic.settings import ElasticError, say
+from baguahvd.runner.hosts import Host, LaunchError, format_hosts
+from baguahvd.runner.local_gloo import (
+    GRACE_S,
+    KILL_AFTER_S,
+    check_local,
+    exit_status,
+    free_port,
+    rank_variables,
+    shared_environment,
+    wait_all,
+)
+
+_POLL_S = 0.02
+_STDERR_TAIL_LINES = 400
+
+
+@dataclass
+class _Worker:
+    """One rank process of the pool."""
+
+    ident: int
+    process: subprocess.Popen[bytes]
+    left_out_at: float | None = None
+    """When a round left it out (it then ends by itself, or is stopped)."""
+
+
+class GlooElasticLauncher(ElasticLauncher):
+    """:class:`ElasticLauncher` whose launches are pools of local gloo ranks that recover in
+    place (see the module docstring)."""
+
+    _pool: _Pool | None = None
+
+    def _run_launch(
+        self, index: int, hosts: list[Host], size: int, env: dict[str, str]
+    ) -> tuple[int, str]:
+        try:
+            check_local(hosts)
+        except LaunchError as error:
+            raise ElasticError(str(error)) from None
+        pool = _Pool(self, index, env)
+        self._pool = pool
+        try:
+            return pool.run(size)
+        finally:
+            self._pool = None
+            pool.stop_all()
+
+    def _forward(self, signum: int) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.signal_all(signum)
+
+
+class _Pool:
+    """The rank processes of one launch and its rounds."""
+
+    def __init__(self, launcher: GlooElasticLauncher, index: int, env: dict[str, str]) -> None:
+        self._launcher = launcher
+        self._index = index
+        args = launcher._args
+        self._shared = shared_environment(args, env)
+        self._shared[ROUND_TIMEOUT_ENV] = f"{launcher._settings.timeout:g}"
+        self._folder = env["BAGUAHVD_ELASTIC_DIR"]
+        self._tag = bool(args.tag_output)
+        self._timestamp = bool(args.prefix_output_with_timestamp)
+        self._workers: dict[int, _Worker] = {}
+        self._members: list[int] = []  # worker ids in rank order
+        self._round = -1
+        self._next_ident = 0
+        self._lock = threading.Lock()
+        self._copiers: list[threading.Thread] = []
+        self._tail: collections.deque[str] = collections.deque(maxlen=_STDERR_TAIL_LINES)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self, size: int) -> tuple[int, str]:
+        """Runs the launch; returns its status and the end of the ranks' stderr."""
+        launcher = self._launcher
+        settings = launcher._settings
+        self._form(launcher._known, size, "")
+        while True:
+            if launcher._signal is not None:
+                return self._finish(), self._report()
+            time.sleep(_POLL_S)
+            codes = {ident: self._workers[ident].process.poll() for ident in self._members}
+            if any(code == 0 for code in codes.values()):
+                return self._finish(), self._report()
+            lost = [ident for ident, code in codes.items() if code is not None]
+            if lost and len(lost) == len(codes):
+                return self._finish(), self._report()
+            requested = self._requested()
+            if not lost and not requested:
+                self._stop_left_out()
+                continue
+            if lost:
+                what = ", ".join(
+                    f"rank {self._members.index(i)} (status {exit_status(codes[i] or 0)})"
+                    for i in lost
+                )
+                if launcher._failures >= settings.max_restarts:
+                    say(
+                        f"{what} failed; giving up after {launcher._failures} restarts "
+                        f"(--max-restarts {settings.max_restarts})"
+                    )
+                    return self._give_up(exit_status(codes[lost[0]] or 0)), self._report()
+                launcher._failures += 1
+                reason = (
+                    f"{what} failed (restart {launcher._failures} of {settings.max_restarts})"
+                )
+            else:
+                reason = "a rank asked for a new round"
+            limit = settings.reset_limit
+            resets = self._index + launcher._resets_in_place
+            if limit is not None and resets >= limit:
+                say(f"{reason}; not recovering: --reset-limit {limit} reached")
+                failed = [exit_status(codes[i] or 0) for i in lost]
+                return self._give_up(max(failed, default=1)), self._report()
+            launcher._resets_in_place += 1
+            hosts, new_size = launcher._wait_for_slots(first=False)
+            if launcher._signal is not None:
+                continue
+            try:
+                check_local(hosts)
+            except LaunchError as error:
+                raise ElasticError(str(error)) from None
+            with launcher._lock:
+                launcher._note_hosts(hosts)
+            self._form(hosts, new_size, reason)
+
+    def _form(self, hosts: list[Host], size: int, reason: str) -> None:
+        """Makes the next round of ``size`` ranks: survivors first, new processes after."""
+        survivors = [i for i in self._members if self._workers[i].process.poll() is None]
+        kept = survivors[:size]
+        now = time.monotonic()
+        for ident in survivors[size:]:
+            self._workers[ident].left_out_at = now
+        started = list(range(self._next_ident, self._next_ident + size - len(kept)))
+        self._next_ident += len(started)
+        self._round += 1
+        self._members = kept + started
+        port = free_port()
+        record = {
+            "launch": self._index,
+            "round": self._round,
+            "workers": {
+                str(ident): {**rank_variables(rank, size, port), **self._versions()}
+                for rank, ident in enumerate(self._members)
+            },
+        }
+        self._write_round(record)
+        self._clear_requests()
+        if self._round > 0:
+            say(
+                f"round {self._round}: {reason}; {len(kept)} ranks kept, {len(started)} "
+                f"started, on {format_hosts(hosts)} ({size} ranks)"
+            )
+        for ident in started:
+            self._start(ident, self._members.index(ident), size, port)
+
+    def _versions(self) -> dict[str, str]:
+        return {"BAGUAHVD_ELASTIC_HOSTS_VERSION": str(self._launcher._version)}
+
+    def _start(self, ident: int, rank: int, size: int, port: int) -> None:
+        env = dict(self._shared, **rank_variables(rank, size, port), **self._versions())
+        env[WORKER_ENV] = str(ident)
+        env[ROUND_ENV] = str(self._round)
+        pipe = subprocess.PIPE if self._tag else None
+        try:
+            process = subprocess.Popen(
+                list(self._launcher._args.command), env=env, start_new_session=True,
+                stdout=pipe, stderr=subprocess.PIPE,
+            )
+        except OSError as error:
+            raise ElasticError(f"cannot run {self._launcher._args.command[0]}: {error}") from None
+        self._workers[ident] = _Worker(ident, process)
+        streams: list[tuple[IO[bytes], IO[bytes], str]] = []
+        if process.stdout is not None:
+            streams.append((process.stdout, sys.stdout.buffer, "stdout"))
+        assert process.stderr is not None
+        streams.append((process.stderr, sys.stderr.buffer, "stderr"))
+        for source, target, name in streams:
+            prefix = f"[{rank}]<{name}>:".encode() if self._tag else b""
+            copier = threading.Thread(
+                target=self._copy, args=(source, target, prefix, name == "stderr"), daemon=True
+            )
+            copier.start()
+            self._copiers.append(copier)
+
+    def _copy(self, source: IO[bytes], target: IO[bytes], prefix: bytes, keep: bool) -> None:
+        for line in iter(source.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            stamp = time.strftime("[%a %b %d %H:%M:%S %Y]").encode() if self._timestamp else b""
+            with self._lock:
+                target.write(stamp + prefix + line)
+                target.flush()
+                if keep:
+                    self._tail.append(line.decode(errors="replace"))
+        source.close()
+
+    def _report(self) -> str:
+        with self._lock:
+            return "".join(self._tail)
+
+    # -- the folder ------------------------------------------------------------------------
+
+    def _write_round(self, record: dict[str, object]) -> None:
+        path = os.path.join(self._folder, ROUND_FILE)
+        temporary = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(temporary, "w", encoding="utf-8") as handle:
+                json.dump(record, handle)
+            os.replace(temporary, path)
+        except OSError as error:
+            raise ElasticError(f"cannot write the round file {path}: {error.strerror}") from None
+
+    def _requested(self) -> bool:
+        prefix = f"{ROUND_REQUEST_PREFIX}{self._index}.{self._round}."
+        try:
+            return any(name.startswith(prefix) for name in os.listdir(self._folder))
+        except OSError:
+            return False
+
+    def _clear_requests(self) -> None:
+        try:
+            names = os.listdir(self._folder)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(ROUND_REQUEST_PREFIX):
+                try:
+                    os.remove(os.path.join(self._folder, name))
+                except OSError:
+                    pass
+
+    # -- ending ----------------------------------------------------------------------------
+
+    def _stop_left_out(self) -> None:
+        now = time.monotonic()
+        for worker in self._workers.values():
+            left = worker.left_out_at
+            if left is not None and worker.process.poll() is None and now - left > GRACE_S:
+                worker.process.kill()
+
+    def _finish(self) -> int:
+        """Waits for the members (see :func:`~baguahvd.runner.local_gloo.wait_all`) and
+        returns their worst status."""
+        status = wait_all([self._workers[i].process for i in self._members])
+        self.stop_all()
+        self._clear_requests()
+        for copier in self._copiers:
+            copier.join(timeout=KILL_AFTER_S)
+        return status
+
+    def _give_up(self, status: int) -> int:
+        """Ends the launch with ``status``: the survivors, which would wait for a round
+        that never comes, are stopped at once."""
+        for ident in self._members:
+            process = self._workers[ident].process
+            if process.poll() is None:
+                process.terminate()
+        self._finish()
+        return status
+
+    def stop_all(self) -> None:
+        """Kills every process of the pool that still runs (those left out included)."""
+        for worker in self._workers.values():
+            if worker.process.poll() is None:
+                worker.process.kill()
+                worker.process.wait()
+
+    def signal_all(self, signum: int) -> None:
+        for worker in self._workers.values():
+            if worker.process.poll() is None:
+                try:
+                    worker.process.send_signal(signum)
+                except ProcessLookupError:
+                    pass

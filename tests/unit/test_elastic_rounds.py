@@ -1,0 +1,194 @@
+"""In-process recovery's rounds: a rank's side (:mod:`baguahvd.torch.elastic.rounds`) with
+injected shutdown, init and clock, and the launcher's (:mod:`baguahvd.runner.elastic.rounds`)
+with stand-in ranks that only read and write the elastic folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+
+from baguahvd.common import elastic_protocol as protocol
+from baguahvd.runner import cli
+from baguahvd.runner.elastic.rounds import GlooElasticLauncher
+from baguahvd.runner.elastic.settings import ElasticSettings
+from baguahvd.torch.elastic import rounds
+
+
+def _write_round(folder: pathlib.Path, number: int, workers: dict[str, dict[str, str]],
+                 launch: int = 0) -> None:
+    record = {"launch": launch, "round": number, "workers": workers}
+    (folder / protocol.ROUND_FILE).write_text(json.dumps(record))
+
+
+@pytest.fixture
+def worker_env(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv(protocol.ELASTIC_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(protocol.WORKER_ENV, "4")
+    monkeypatch.setenv(protocol.RESTART_ENV, "0")
+    monkeypatch.setenv(protocol.ROUND_ENV, "0")
+    monkeypatch.setenv(protocol.ROUND_TIMEOUT_ENV, "5")
+    monkeypatch.setenv("RANK", "2")
+    yield
+
+
+class _Framework:
+    def __init__(self, failures: int = 0) -> None:
+        self.calls: list[str] = []
+        self.failures = failures
+        self.ranks: list[str] = []
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+
+    def init(self) -> None:
+        self.calls.append("init")
+        self.ranks.append(os.environ["RANK"])
+        if self.failures:
+            self.failures -= 1
+            raise ValueError("Horovod initialization failed.")
+
+
+def test_only_ranks_of_a_gloo_elastic_launch_recover_in_place(worker_env: None) -> None:
+    assert rounds.in_process()
+    assert not rounds.joins_running_job()
+    assert rounds.joins_running_job({**os.environ, protocol.ROUND_ENV: "3"})
+    assert not rounds.in_process({protocol.ELASTIC_DIR_ENV: "/x"})  # mpirun's ranks
+
+
+def test_a_rank_asks_for_a_round_and_takes_its_variables(
+    worker_env: None, tmp_path: pathlib.Path
+) -> None:
+    _write_round(tmp_path, 1, {"4": {"RANK": "0", "WORLD_SIZE": "2"}})
+    framework = _Framework()
+    rounds.rejoin(framework.shutdown, framework.init)
+    assert framework.calls == ["shutdown", "init"]
+    assert (tmp_path / f"{protocol.ROUND_REQUEST_PREFIX}0.0.4").exists()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"]) == ("0", "2")
+    assert os.environ[protocol.ROUND_ENV] == "1"
+
+
+def test_a_rank_left_out_of_the_round_leaves_with_status_0(
+    worker_env: None, tmp_path: pathlib.Path
+) -> None:
+    _write_round(tmp_path, 1, {"0": {"RANK": "0"}})
+    framework = _Framework()
+    with pytest.raises(SystemExit) as left:
+        rounds.rejoin(framework.shutdown, framework.init)
+    assert left.value.code == 0
+    assert framework.calls == ["shutdown"]
+
+
+def test_a_round_that_cannot_start_is_followed_by_the_next(
+    worker_env: None, tmp_path: pathlib.Path
+) -> None:
+    _write_round(tmp_path, 1, {"4": {"RANK": "1"}})
+    framework = _Framework(failures=1)
+    original = framework.init
+
+    def init_then_next_round() -> None:
+        try:
+            original()
+        finally:
+            _write_round(tmp_path, 2, {"4": {"RANK": "0"}})
+
+    rounds.rejoin(framework.shutdown, init_then_next_round)
+    assert framework.calls == ["shutdown", "init", "shutdown", "init"]
+    assert framework.ranks == ["1", "0"]
+    assert (tmp_path / f"{protocol.ROUND_REQUEST_PREFIX}0.1.4").exists()
+
+
+def test_waiting_for_a_round_ends_with_a_named_error(
+    worker_env: None, tmp_path: pathlib.Path
+) -> None:
+    _write_round(tmp_path, 7, {"4": {"RANK": "0"}}, launch=1)  # another launch's round
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 3.0
+        return now[0]
+
+    framework = _Framework()
+    with pytest.raises(rounds.RoundTimeoutError, match="round 1 of launch 0"):
+        rounds.rejoin(framework.shutdown, framework.init, clock=clock)
+    assert framework.calls == ["shutdown"]
+
+
+# A stand-in rank: records (worker, round, rank) and, in round 0, worker 1 fails with
+# status 3 while the others wait for the next round; then every rank ends with status 0.
+_RANK = """
+import json, os, sys, time
+folder = os.environ["BAGUAHVD_ELASTIC_DIR"]
+worker = os.environ["BAGUAHVD_ELASTIC_WORKER"]
+started = int(os.environ["BAGUAHVD_ELASTIC_ROUND"])
+with open(os.path.join(folder, "log"), "a") as log:
+    log.write(f"{worker} {started} {os.environ['RANK']} {os.environ['WORLD_SIZE']}\\n")
+if started == 0 and worker == "1":
+    sys.exit(3)
+if started == 0 and worker == "0" and os.environ.get("ASK"):
+    open(os.path.join(folder, "round-request.0.0.0"), "w").close()
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    with open(os.path.join(folder, "round.json")) as f:
+        record = json.load(f)
+    if record["round"] > started or started > 0:
+        break
+    time.sleep(0.02)
+"""
+
+
+def _run_pool(tmp_path: pathlib.Path, np: int, extra: list[str], env: dict[str, str]) -> int:
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(_RANK))
+    args = cli.parse_args([
+        "-np", str(np), "--gloo", "--elastic", "--checkpoint-dir", str(tmp_path), *extra,
+        sys.executable, str(script),
+    ])
+    full_env = {**os.environ, **env}
+    settings = ElasticSettings.from_args(args, full_env)
+    return GlooElasticLauncher(args, settings, full_env, mpirun="").run()
+
+
+def _log(tmp_path: pathlib.Path) -> list[tuple[str, ...]]:
+    return sorted(tuple(line.split()) for line in (tmp_path / "log").read_text().splitlines())
+
+
+def test_a_failed_rank_is_replaced_and_the_survivors_stay(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = _run_pool(tmp_path, 3, ["--max-restarts", "1"], {})
+    err = capsys.readouterr().err
+    assert status == 0, err
+    assert "round 1: rank 1 (status 3) failed (restart 1 of 1); 2 ranks kept, 1 started" in err
+    # Workers 0 and 2 keep running (ranks 0 and 1 of round 1); worker 3 takes rank 2.
+    assert _log(tmp_path) == [
+        ("0", "0", "0", "3"), ("1", "0", "1", "3"), ("2", "0", "2", "3"), ("3", "1", "2", "3"),
+    ]
+    record = json.loads((tmp_path / protocol.ROUND_FILE).read_text())
+    assert record["round"] == 1 and sorted(record["workers"]) == ["0", "2", "3"]
+    assert record["workers"]["2"]["RANK"] == "1"
+    assert not list(tmp_path.glob(f"{protocol.ROUND_REQUEST_PREFIX}*"))
+
+
+def test_a_failure_past_max_restarts_ends_the_job(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = _run_pool(tmp_path, 2, ["--max-restarts", "0"], {})
+    assert status == 3
+    assert "giving up after 0 restarts" in capsys.readouterr().err
+
+
+def test_a_request_forms_a_round_of_the_same_ranks(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Worker 1 fails only after worker 0 asked: the request is what forms round 1, or the
+    # failure is; either way no rank is left out and the job ends well.
+    status = _run_pool(tmp_path, 2, ["--max-restarts", "1"], {"ASK": "1"})
+    err = capsys.readouterr().err
+    assert status == 0, err
+    assert "round 1:" in err
