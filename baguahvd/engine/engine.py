@@ -16,9 +16,9 @@ Process sets with a single member never leave the calling thread.
 
 Nothing waits forever. A rank that shuts down, fails (an uncaught exception, a broken
 engine) or whose collectives stall past the shutdown time (rank 0's
-:mod:`~baguahvd.engine.stall` inspector) ends the job in the next cycle with a
+:mod:`~baguahvd.engine.negotiation.stall` inspector) ends the job in the next cycle with a
 :mod:`~baguahvd.engine.notices` notice that every rank turns into the same error; a peer
-that dies or freezes is noticed by the :mod:`~baguahvd.engine.watchdog`. A rank that fails
+that dies or freezes is noticed by the :mod:`~baguahvd.engine.lifecycle.watchdog`. A rank that fails
 in the middle of a cycle (a collective that raises on this rank only: no memory for the
 fusion buffer, a backend error) cannot wait for the next one, since its peers may be blocked
 in a collective it will never join: it sends the notice as an alarm outside the protocol
@@ -26,18 +26,18 @@ in a collective it will never join: it sends the notice as an alarm outside the 
 happens in the :mod:`~baguahvd.engine.timeline` when HOROVOD_TIMELINE is set.
 
 This module keeps the loop and asks its parts, acting on what they return: the
-:mod:`~baguahvd.engine.intake` queue, the :mod:`~baguahvd.engine.negotiation` (with the
-:mod:`~baguahvd.engine.coordinator` and the response cache), the
-:mod:`~baguahvd.engine.fusion` plan, the :mod:`~baguahvd.engine.dispatch` (device units
-complete in :mod:`~baguahvd.engine.completion`), the :mod:`~baguahvd.engine.lifecycle` and
-:mod:`~baguahvd.engine.autotune`.
+:mod:`~baguahvd.engine.intake` queue, the :mod:`~baguahvd.engine.negotiation.negotiator`
+(with the :mod:`~baguahvd.engine.negotiation.coordinator` and the response cache), the
+:mod:`~baguahvd.engine.execution.fusion` plan, the
+:mod:`~baguahvd.engine.execution.dispatch` (device units complete in
+:mod:`~baguahvd.engine.execution.completion`), the :mod:`~baguahvd.engine.lifecycle.states`
+and :mod:`~baguahvd.engine.autotune`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -47,34 +47,26 @@ import torch
 from baguahvd.backends.base import ControlPlane, DeviceCommFactory
 from baguahvd.common.config import Config
 from baguahvd.common.exceptions import (
-    HorovodInternalError,
     PeerFailureError,
     ProcessSetError,
     ShutDownError,
 )
 from baguahvd.common.ops import ReduceOp
-from baguahvd.engine.autotune import Autotuner, Settings
-from baguahvd.engine.completion import keep_named
-from baguahvd.engine.dispatch import CollectiveFailure, Dispatcher
-from baguahvd.engine.fusion import plan_fusion, unfused_sizes
+from baguahvd.engine.autotune import Settings
+from baguahvd.engine.execution.dispatch import Dispatcher
 from baguahvd.engine.intake import RequestQueue, ThreadActivity, describe_tensors
-from baguahvd.engine.lifecycle import Lifecycle, State
+from baguahvd.engine.lifecycle.states import Lifecycle, State
+from baguahvd.engine.lifecycle.watchdog import Watchdog, process_identity
+from baguahvd.engine.loop import EngineLoop
 from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, OpType, RequestMeta
-from baguahvd.engine.negotiation import Negotiator
-from baguahvd.engine.notices import Notice, NoticeKind, describe_exception
+from baguahvd.engine.notices import Notice, NoticeKind
 from baguahvd.engine.process_sets import ProcessSetRegistry, not_member_message
-from baguahvd.engine.requests import Entry, Handle, Outcome, Request, deliver
-from baguahvd.engine.stall import StallInspector
+from baguahvd.engine.requests import Handle, Request
 from baguahvd.engine.timeline import Timeline
-from baguahvd.engine.watchdog import Watchdog, process_identity
 
 __all__ = ["GLOBAL_PROCESS_SET_ID", "Engine"]
 
 logger = logging.getLogger("baguahvd.engine")
-
-
-class _Abandoned(Exception):
-    """The engine thread stops waiting for its peers: the job is ending."""
 
 
 class Engine:
@@ -111,37 +103,15 @@ class Engine:
             else None
         )
         """Rank 0's timeline when HOROVOD_TIMELINE is set (written only while started)."""
-        # Engine-thread state.
-        self._inspector = StallInspector(
-            config.stall_check_time_s, config.stall_shutdown_time_s, config.stall_check_disable
-        )
-        self._negotiation = Negotiator(
-            self.rank, self.size, control, self.process_sets, config.cache_capacity,
-            self._inspector, self.timeline,
-        )
         self._dispatch = Dispatcher(
             self.rank, self.process_sets, self.timeline, device_comms,
             registry=self._registry, device_timeout_s=config.nccl_timeout_s,
             stopped=self._lifecycle.stop_error, single_rank_nccl=config.nccl_single_rank,
             nccl_average=config.nccl_average,
         )
-        self._executing: list[Request] = []
-        self.cycles = 0
-        self.settings = Settings(config.fusion_threshold, config.cycle_time_ms)
-        """The fusion threshold and cycle time in use (autotune changes them)."""
-        self.settings_changes: list[tuple[int, Settings]] = []
-        """Autotune: (cycle, settings) of every change, the cycle being the last one run
-        under the previous settings; the same on every rank."""
-        self._tuner = (
-            Autotuner(
-                self.settings, config.autotune_warmup_samples,
-                config.autotune_steps_per_sample, config.autotune_max_samples,
-                config.autotune_log,
-                (config.hierarchical_allreduce, config.hierarchical_allgather,
-                 config.cache_capacity > 0),
-            )
-            if config.autotune and self.rank == 0 and self.size > 1
-            else None
+        self._loop = EngineLoop(
+            config, control, self.process_sets, self._queue, self._lifecycle, self._dispatch,
+            self.timeline,
         )
         self._activity = ThreadActivity()
 
@@ -168,14 +138,6 @@ class Engine:
         :meth:`start` (static sets) or through an ADD_PROCESS_SET request (dynamic)."""
         return self._registry.register(ranks)
 
-    def _forget_process_set(self, ident: int) -> None:
-        # The requests that waited on a removed set's cached responses can never run.
-        deliver([
-            Outcome(request, error=HorovodInternalError(
-                f"{request.meta.name}: process set {ident} was removed."))
-            for request in self._negotiation.forget_process_set(ident)
-        ], self.timeline)
-
     # ----------------------------------------------------------------------------------
     # Lifecycle
 
@@ -192,7 +154,8 @@ class Engine:
     def autotuning(self) -> bool:
         """Whether this rank's autotune (rank 0's) still searches the fusion threshold and
         cycle time."""
-        return self._tuner is not None and not self._tuner.frozen
+        tuner = self._loop.tuner
+        return tuner is not None and not tuner.frozen
 
     @property
     def state(self) -> State:
@@ -214,9 +177,9 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="baguahvd-engine", daemon=True)
         # Alarms are looked for by the watchdog when the control plane lets a second thread
         # in while the engine thread waits inside a collective; otherwise only by the engine
-        # thread (see _waiting), which cannot while it is blocked in a data collective.
+        # thread (see EngineLoop._waiting), which cannot while it is blocked in a data collective.
         self._watchdog = Watchdog(
-            self.rank, identities, lambda: self.cycles, self._peer_lost,
+            self.rank, identities, lambda: self._loop.cycles, self._peer_lost,
             self.config.peer_timeout_s,
             poll=self._lifecycle.check_alarm if self.control.threads_multiple else None,
         )
@@ -251,8 +214,8 @@ class Engine:
         lifecycle.stop(ShutDownError())
         if self.timeline is not None:
             self.timeline.close()
-        if self._tuner is not None:
-            self._tuner.close()
+        if self._loop.tuner is not None:
+            self._loop.tuner.close()
 
     def release(self) -> None:
         """Frees every process set's communicators and the control plane after a normal
@@ -396,205 +359,29 @@ class Engine:
     def full_negotiations(self) -> int:
         """Cycles whose requests went to rank 0 in full; the others ran from the response
         cache (or had nothing to run)."""
-        return self._negotiation.exchanges
+        return self._loop.negotiation.exchanges
 
-    # ----------------------------------------------------------------------------------
-    # The engine thread
+    @property
+    def cycles(self) -> int:
+        """Cycles this rank's engine thread has begun."""
+        return self._loop.cycles
+
+    @property
+    def settings(self) -> Settings:
+        """The fusion threshold and cycle time in use (autotune changes them)."""
+        return self._loop.settings
+
+    @property
+    def settings_changes(self) -> list[tuple[int, Settings]]:
+        """Autotune: (cycle, settings) of every change, the same on every rank."""
+        return self._loop.settings_changes
 
     def _run(self) -> None:
-        _tighten_timer_slack()
-        torch.set_grad_enabled(False)  # for this thread: collectives write raw buffers
-        if self.config.thread_affinity:
-            cores = self.config.thread_affinity
-            try:
-                os.sched_setaffinity(0, {cores[self.rank % len(cores)]})
-            except (AttributeError, OSError) as exc:
-                logger.warning("could not pin the engine thread: %s", exc)
-        lifecycle = self._lifecycle
-        queue = self._queue
-        pending = self._dispatch.pending
         try:
-            while lifecycle.error is None:
-                cycle_ms = self.settings.cycle_time_ms
-                # While requests are in flight, the next cycle starts at once: peers are
-                # waiting for this rank to announce what it has; an idle job pauses longer.
-                # Meanwhile, device units launched earlier complete as they finish.
-                pause = self._negotiation.pause_s(cycle_ms)
-                pending.wait(queue.wake, pause)
-                queue.wake.clear()
-                queue.let_burst_finish(cycle_ms)
-                if not self._cycle():
-                    break
-        except _Abandoned:
-            pass
-        except CollectiveFailure as failure:
-            self._collective_failed(failure)
-        except BaseException as exc:  # noqa: BLE001 - the error is handed to every waiter
-            self._internal_error(exc)
+            self._loop.run()
         finally:
-            if len(pending):
-                pending.abandon(lifecycle.error or ShutDownError())
             if self._watchdog is not None:
                 self._watchdog.stop()
 
-    def _cycle(self) -> bool:
-        """One negotiation round; returns False once the job is shutting down."""
-        self.cycles += 1
-        new = self._queue.take()
-        lifecycle = self._lifecycle
-        notice = lifecycle.notice
-        negotiation = self._negotiation
-        if new:
-            self.inject_fault("admit", new)
-            negotiation.admit_all(new)
-        now = time.monotonic()
-        if self._inspector.due(now) and (stall := negotiation.check_stalls(now)) is not None:
-            lifecycle.announce(stall)
-        words = negotiation.announcement(notice, busy=len(self._dispatch.pending) > 0)
-        # From here until the cycle ends, ranks are in the middle of the same exchange.
-        lifecycle.begin_cycle()
-        agreed = self.control.bitwise_and(words, self._waiting)
-        if negotiation.end_agreed(agreed):
-            # Some rank announced the end of the job: this cycle runs nothing, and the
-            # device units every rank launched finish first.
-            self._dispatch.pending.drain()
-            decision = negotiation.negotiate(notice)
-            final = decision.notice or Notice(NoticeKind.SHUTDOWN, -1)
-            lifecycle.stop(final.error(self.rank), abnormal=final.abnormal)
-            lifecycle.end_cycle()
-            return False
-        entries = negotiation.cached_work(agreed)
-        negotiated: list[Entry] = []
-        if negotiation.exchange_agreed(agreed):
-            negotiated = negotiation.answered(negotiation.negotiate(None).responses)
-            entries += negotiated
-        for response, own in negotiated:
-            if own is None:
-                # Ran (or failed) while this rank had joined: count it, before the join can
-                # return, so that this rank's next unnamed collective pairs with the others'.
-                self._queue.skip_unnamed(response.process_set_id, response.key)
-        self._executing = [request for _, request in entries if request is not None]
-        timeline = self.timeline
-        if timeline is not None and timeline.active and entries:
-            timeline.cycle_started()
-            for response, own in entries:
-                if own is not None:
-                    timeline.queued(response.name, response.op, own.activity)
-        self.inject_fault("run", entries)
-        for unit in plan_fusion(
-            entries, self.settings.fusion_threshold, self.config.disable_group_fusion,
-            unfused_sizes(self.process_sets, self.config.unfused_bytes),
-        ):
-            try:
-                self._dispatch.run_unit(unit)
-            except Exception as exc:
-                raise CollectiveFailure(unit, exc) from exc
-            response = unit[0][0]
-            if response.op == OpType.REMOVE_PROCESS_SET and response.error is None:
-                self._forget_process_set(response.payload[0])
-        self._executing = []
-        for response, own in negotiated:
-            negotiation.remember(response, own)
-        self._queue.release_retries()
-        if self._tuner is not None and not self._tuner.frozen:
-            proposal = self._tuner.record(_reduced(entries))
-            if proposal is not None:
-                negotiation.propose(proposal)
-        lifecycle.end_cycle()
-        agreed_settings = negotiation.take_agreed_settings()
-        if agreed_settings is not None:
-            # Every rank got these in this cycle's decision: all switch between this cycle
-            # and the next.
-            self.settings = agreed_settings
-            self.settings_changes.append((self.cycles, agreed_settings))
-            if self._tuner is not None:
-                self._tuner.applied(agreed_settings)
-        return True
-
-    def inject_fault(self, stage: str, work: Sequence[object]) -> None:
-        """The one seam for fault-injection tests; does nothing. The engine thread calls it
-        with ``"admit"`` and the requests it takes from the queue, before negotiating them
-        (between cycles), and with ``"run"`` and the cycle's agreed work ((response,
-        request) pairs) before fusing and running it (mid-cycle). A test replaces it with a
-        function that raises, to see how the ranks end a job whose engine fails there."""
-
-    def _waiting(self) -> None:
-        """Called while the engine thread waits for the other ranks in a negotiation: gives
-        up once the engine has stopped (a peer's alarm, a lost peer), so the thread ends."""
-        if not self.control.threads_multiple:
-            self._lifecycle.check_alarm()
-        if self._lifecycle.error is not None:
-            raise _Abandoned
-
-    def _internal_error(self, exc: BaseException) -> None:
-        """A bug in the engine: fail this rank's requests and make sure the others do not
-        wait for it forever."""
-        logger.exception("the engine stopped after an internal error")
-        reason = f"baguahvd engine failed: {describe_exception(exc)}"
-        lifecycle = self._lifecycle
-        error = PeerFailureError(self.rank, reason)
-        if lifecycle.state is not State.IDLE:
-            # Mid-cycle (or stopped already), the peers may wait in an exchange this rank
-            # will not finish: tell them with an alarm; shutdown() waits for it to go out.
-            lifecycle.leave(error)
-        else:
-            lifecycle.stop(error, abnormal=True)
-            # Between cycles every rank is at the same point of the protocol: announce the
-            # failure in one more cycle, as an uncaught exception would.
-            try:
-                self._negotiation.announce_end(Notice(NoticeKind.FAILURE, self.rank, reason))
-                return
-            except BaseException:  # noqa: BLE001 - falls back to an alarm
-                logger.exception("could not tell the other ranks in a cycle")
-                lifecycle.leave()
-        lifecycle.leave_mid_cycle(reason)
-
-    def _collective_failed(self, failure: CollectiveFailure) -> None:
-        """A collective raised on this rank while it ran: this rank leaves the protocol (its
-        peers may wait in that collective, or its data communicators are out of step with
-        theirs), and every rank's pending and later collectives raise the error."""
-        exc = failure.error
-        names = [response.name for response, _ in failure.unit]
-        name = names[0] if len(names) == 1 else f"{names[0]} (fused with {len(names) - 1} more)"
-        logger.error("%s failed on this rank; ending the job", name, exc_info=exc)
-        reason = f"{name}: {describe_exception(exc)}"
-        error = PeerFailureError(self.rank, reason)
-        lifecycle = self._lifecycle
-        lifecycle.leave()
-        deliver([
-            Outcome(request, error=keep_named(exc, error)) for _, request in failure.unit
-            if request is not None and not request.handle.done()
-        ], self.timeline)
-        lifecycle.stop(error, abnormal=True)
-        lifecycle.leave_mid_cycle(reason)
-
     def _fail_everything(self, error: BaseException) -> None:
-        pending = [
-            *self._queue.drain(), *self._negotiation.drain(), *self._executing,
-            *self._dispatch.pending.requests(),
-        ]
-        for request in pending:
-            if not request.handle.done():
-                request.handle.fail(error)
-
-
-def _reduced(entries: list[Entry]) -> list[tuple[str, int]]:
-    """Name and bytes of this rank's allreduces among a cycle's entries (autotune's measure)."""
-    return [
-        (response.name, sum(t.numel() * t.element_size() for t in own.inputs))
-        for response, own in entries
-        if own is not None and response.op == OpType.ALLREDUCE and response.error is None
-    ]
-
-
-def _tighten_timer_slack() -> None:
-    """Lets this thread's short sleeps end on time (Linux rounds them up by 50 us by
-    default), which is most of a small collective's latency."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_timerslack = 29
-        libc.prctl(pr_set_timerslack, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+        self._loop.fail_everything(error)

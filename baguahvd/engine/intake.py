@@ -32,9 +32,14 @@ import torch
 
 from baguahvd.backends import cuda_support
 from baguahvd.common.exceptions import CudaGraphCaptureError, DuplicateNameError
-from baguahvd.engine import execute
-from baguahvd.engine.cache import UNNAMED_PREFIX, is_unnamed
-from baguahvd.engine.messages import DTYPES, JOIN_KEY, OpType
+from baguahvd.engine.messages import (
+    DTYPES,
+    JOIN_KEY,
+    UNNAMED_PREFIX,
+    OpType,
+    dtype_name,
+    is_unnamed,
+)
 from baguahvd.engine.requests import Request
 
 # A burst of submissions is over once its thread has submitted nothing for this long ...
@@ -84,7 +89,7 @@ def describe_tensors(
             raise CudaGraphCaptureError(label)
     else:
         device = "CPU"
-    dtype = _DTYPE_NAMES.get(first.dtype) or execute.dtype_name(first.dtype)
+    dtype = _DTYPE_NAMES.get(first.dtype) or dtype_name(first.dtype)
     if len(inputs) == 1:
         return dtype, (tuple(first.shape),), device
     return dtype, tuple(tuple(t.shape) for t in inputs), device

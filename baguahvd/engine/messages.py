@@ -54,8 +54,22 @@ DATA_OPS = frozenset(
 # First dimension may differ across ranks.
 RAGGED_OPS = frozenset({OpType.ALLGATHER, OpType.ALLTOALL})
 
+UNNAMED_PREFIX = "noname."
+"""Negotiation keys of unnamed requests start with this (``noname.N``: the N-th unnamed
+request of its process set on each rank)."""
+
+
+def is_unnamed(key: str) -> bool:
+    return key.startswith(UNNAMED_PREFIX)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """How requests and responses name a dtype: ``float32``."""
+    return str(dtype).replace("torch.", "")
+
+
 DTYPES: dict[str, torch.dtype] = {
-    str(dtype).replace("torch.", ""): dtype
+    dtype_name(dtype): dtype
     for dtype in (
         torch.uint8,
         torch.int8,

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from baguahvd.backends.base import Communicator, ControlPlane, SelfCommunicator
-from baguahvd.engine.execute import FusionPool
+from baguahvd.engine.buffers import FusionPool
 from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID
 
 

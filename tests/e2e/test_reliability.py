@@ -182,7 +182,7 @@ def test_an_engine_bug_does_not_leave_peers_hanging(
     # Between cycles: admitting a request; mid-cycle: fusing what the ranks agreed on.
     stage = "admit" if where == "between_cycles" else "run"
     code, logs, elapsed = run_script(tmp_path, f"""
-        from baguahvd.engine.engine import Engine
+        from baguahvd.engine.loop import EngineLoop
 
         def broken(self, stage, work):
             names = [item.meta.name if stage == "admit" else item[0].name for item in work]
@@ -190,7 +190,7 @@ def test_an_engine_bug_does_not_leave_peers_hanging(
                 raise RuntimeError("injected engine bug")
 
         if rank == 1:
-            Engine.inject_fault = broken
+            EngineLoop.inject_fault = broken
         try:
             hvd.allreduce(torch.ones(2), name="poison")
         except PeerFailureError as exc:
@@ -213,7 +213,7 @@ def test_an_engine_bug_does_not_leave_peers_hanging(
 # A collective that fails on one rank only, while it runs
 
 _FAILS_LOCALLY = """
-from baguahvd.engine import execute
+from baguahvd.engine.execution import execute
 
 original_get = execute.FusionBuffers.get
 original_allgather = execute.allgather
@@ -331,6 +331,6 @@ def test_a_job_ended_by_a_stall_exits_non_zero_even_when_caught(tmp_path: pathli
     assert code == 1, dump
     for r in range(3):
         assert "CAUGHT" in logs[r], dump
-        assert f"rank {r} lifecycle.py" in logs[r] and "exiting with status 1: the job was " \
+        assert f"rank {r} states.py" in logs[r] and "exiting with status 1: the job was " \
             "ended by StallError: Stalled for more than 3 seconds" in logs[r], dump
     assert "MPI_Abort" not in dump, dump

@@ -110,7 +110,7 @@ def test_every_rank_switches_settings_at_the_same_cycle_and_freezes_after_the_bu
         results = job.run(lambda rank, engine: _train(engine, 40))
         changes = job.run(lambda rank, engine: list(engine.settings_changes))
         settings = job.run(lambda rank, engine: engine.settings)
-        tuner = job.engines[0]._tuner
+        tuner = job.engines[0]._loop.tuner
     finally:
         job.close()
     assert changes[0] == changes[1] == changes[2]

@@ -19,7 +19,7 @@ import torch
 from baguahvd.backends import cuda_support
 from baguahvd.backends.base import Communicator, SelfCommunicator
 from baguahvd.common.ops import ReduceOp
-from baguahvd.engine.dispatch import Dispatcher
+from baguahvd.engine.execution.dispatch import Dispatcher
 from baguahvd.engine.messages import OpType, RequestMeta, Response, build_response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request

@@ -8,11 +8,17 @@ import pytest
 from baguahvd.backends.base import Communicator, SelfCommunicator
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.common.ops import ReduceOp
-from baguahvd.engine.cache import cache_key, may_cache, response_cacheable
-from baguahvd.engine.dispatch import Dispatcher
-from baguahvd.engine.fusion import plan_fusion, unfused_sizes
-from baguahvd.engine.lifecycle import ABNORMAL_STATES, RUNNING_STATES, Event, State, transition
+from baguahvd.engine.execution.dispatch import Dispatcher
+from baguahvd.engine.execution.fusion import plan_fusion, unfused_sizes
+from baguahvd.engine.lifecycle.states import (
+    ABNORMAL_STATES,
+    RUNNING_STATES,
+    Event,
+    State,
+    transition,
+)
 from baguahvd.engine.messages import OpType, Response
+from baguahvd.engine.negotiation.cache import cache_key, may_cache, response_cacheable
 from baguahvd.engine.process_sets import ProcessSetState
 from tests.fakes.world import MemoryCommunicator, World
 

@@ -1,4 +1,4 @@
-"""Device units launched in two parts (``baguahvd.engine.completion``): the communication,
+"""Device units launched in two parts (``baguahvd.engine.execution.completion``): the communication,
 then, once the host has seen it finish without error, what writes the users' outputs."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baguahvd.engine.completion import CollectiveFailure, Completions
+from baguahvd.engine.execution.completion import CollectiveFailure, Completions
 from baguahvd.engine.messages import OpType, RequestMeta, build_response
 from baguahvd.engine.requests import Outcome, Request
 

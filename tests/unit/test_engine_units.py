@@ -1,5 +1,5 @@
 """Engine parts that need no MPI: negotiation messages, the response cache, the
-configuration, and the arithmetic of ``baguahvd.engine.execute`` on a one-rank group."""
+configuration, and the arithmetic of ``baguahvd.engine.execution.execute`` on a one-rank group."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from baguahvd.backends.base import SelfCommunicator
 from baguahvd.common.config import Config
 from baguahvd.common.exceptions import ShutDownError
 from baguahvd.common.ops import ReduceOp
-from baguahvd.engine import execute
-from baguahvd.engine.cache import Lookup, ResponseCache
-from baguahvd.engine.completion import CollectiveFailure, Completions
+from baguahvd.engine.execution import execute
+from baguahvd.engine.execution.completion import CollectiveFailure, Completions
 from baguahvd.engine.intake import RequestQueue
-from baguahvd.engine.messages import OpType, RequestMeta, Response, build_response
-from baguahvd.engine.negotiation import _bits, _set_bits
+from baguahvd.engine.messages import OpType, RequestMeta, Response, build_response, dtype_name
+from baguahvd.engine.negotiation.bits import set_bits, slot_bits
+from baguahvd.engine.negotiation.cache import Lookup, ResponseCache
 from baguahvd.engine.requests import Outcome, Request
 
 # ---------------------------------------------------------------------------------------
@@ -281,8 +281,8 @@ def test_cache_put_same_key_replaces() -> None:
 def test_slot_bits_round_trip(slots: list[int]) -> None:
     # Few slots take the Python path, many the numpy one; both agree with the bytes on the
     # wire: bit s % 8 of byte s // 8.
-    bits = _bits(set(slots), 128)
-    assert _set_bits(bits, 128) == sorted(slots)
+    bits = slot_bits(set(slots), 128)
+    assert set_bits(bits, 128) == sorted(slots)
     wire = bits.to_bytes(128, "little")
     assert [s for s in range(1024) if wire[s // 8] >> (s % 8) & 1] == sorted(slots)
 
@@ -416,7 +416,7 @@ def _allreduce(
     for index, tensor in enumerate(tensors):
         meta = RequestMeta(
             key=f"t{index}", name=f"allreduce.t{index}", op=OpType.ALLREDUCE, process_set_id=0,
-            rank=0, dtype=execute.dtype_name(tensor.dtype), shapes=(tuple(tensor.shape),),
+            rank=0, dtype=dtype_name(tensor.dtype), shapes=(tuple(tensor.shape),),
             reduce_op=reduce_op, prescale=prescale, postscale=postscale,
         )
         output = tensor if in_place else torch.empty_like(tensor)
@@ -733,7 +733,7 @@ def test_an_abort_is_logged_with_the_transport_that_ends_the_job(
 ) -> None:
     from baguahvd.backends.gloo.control import GlooControlPlane
     from baguahvd.backends.mpi.control import MPIControlPlane
-    from baguahvd.engine.lifecycle import Lifecycle
+    from baguahvd.engine.lifecycle.states import Lifecycle
 
     codes: list[int] = []
 

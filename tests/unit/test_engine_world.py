@@ -21,9 +21,9 @@ from baguahvd.common.exceptions import (
 )
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.engine import GLOBAL_PROCESS_SET_ID, Engine
-from baguahvd.engine.lifecycle import State
+from baguahvd.engine.lifecycle.states import State
 from baguahvd.engine.messages import OpType
-from baguahvd.engine.negotiation import IDLE_PAUSE_MAX_S
+from baguahvd.engine.negotiation.negotiator import IDLE_PAUSE_MAX_S
 from baguahvd.engine.requests import Handle
 from tests.fakes.world import Job, run_on_ranks, start_job
 

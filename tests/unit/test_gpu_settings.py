@@ -14,7 +14,7 @@ from baguahvd.backends import cuda_support
 from baguahvd.backends import nccl as backend
 from baguahvd.backends.base import Communicator
 from baguahvd.common.config import Config
-from baguahvd.engine.dispatch import Dispatcher
+from baguahvd.engine.execution.dispatch import Dispatcher
 from baguahvd.engine.messages import OpType
 from baguahvd.engine.process_sets import ProcessSetState
 from tests.fakes import fake_mpi

@@ -46,12 +46,14 @@ def test_import_layers() -> None:
 
 
 def test_module_sizes() -> None:
-    """No module of the package grows past 600 lines, except torch/mpi_ops.py, which keeps
-    the shape of Horovod's file of the same name so that the two can be read side by side."""
+    """No module of the package grows past 600 lines, and none of the engine past 400,
+    except torch/mpi_ops.py, which keeps the shape of Horovod's file of the same name so that
+    the two can be read side by side."""
     too_long = {
-        str(path.relative_to(ROOT)): lines
+        str(relative): lines
         for path in sorted((ROOT / "baguahvd").rglob("*.py"))
-        if (lines := len(path.read_text().splitlines())) > 600
-        and path.relative_to(ROOT).as_posix() != "baguahvd/torch/mpi_ops.py"
+        if (relative := path.relative_to(ROOT)).as_posix() != "baguahvd/torch/mpi_ops.py"
+        and (lines := len(path.read_text().splitlines()))
+        > (400 if relative.parts[:2] == ("baguahvd", "engine") else 600)
     }
     assert not too_long, too_long

@@ -22,8 +22,8 @@ import torch
 from baguahvd.backends import cuda_support
 from baguahvd.backends import nccl as backend
 from baguahvd.common.ops import ReduceOp
-from baguahvd.engine import execute
-from baguahvd.engine.messages import OpType, RequestMeta, Response
+from baguahvd.engine.execution import execute
+from baguahvd.engine.messages import OpType, RequestMeta, Response, dtype_name
 from baguahvd.engine.requests import Request
 from tests.fakes import fake_mpi
 from tests.fakes.fake_cupy import NCCL_OPS, NCCL_TYPES, FakeCupy
@@ -85,7 +85,7 @@ def _recording() -> Iterator[_Ops]:
 def _allreduce(
     comm: backend.NCCLCommunicator, tensors: list[torch.Tensor], **fields: Any
 ) -> tuple[list[torch.Tensor], _Ops]:
-    dtype = execute.dtype_name(tensors[0].dtype)
+    dtype = dtype_name(tensors[0].dtype)
     shapes = tuple(tuple(t.shape) for t in tensors)
     response = Response(
         key="allreduce.g", name="allreduce.g", op=OpType.ALLREDUCE, process_set_id=0,
@@ -206,7 +206,7 @@ def test_by_default_average_is_a_sum_scaled_in_float64(
 def _reducescatter(
     comm: backend.NCCLCommunicator, tensor: torch.Tensor, **fields: Any
 ) -> tuple[list[torch.Tensor], _Ops]:
-    dtype = execute.dtype_name(tensor.dtype)
+    dtype = dtype_name(tensor.dtype)
     shapes = (tuple(tensor.shape),)
     response = Response(
         key="reducescatter.r", name="reducescatter.r", op=OpType.REDUCESCATTER,

@@ -23,7 +23,7 @@ from baguahvd.backends import cuda_support
 from baguahvd.backends import nccl as backend
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.common.ops import ReduceOp
-from baguahvd.engine import execute
+from baguahvd.engine.execution import execute
 from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.requests import Request
 from tests.fakes import fake_mpi

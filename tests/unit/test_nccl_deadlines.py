@@ -14,7 +14,7 @@ import torch
 from baguahvd.backends import nccl as backend
 from baguahvd.backends import nccl_setup
 from baguahvd.backends.base import SelfCommunicator
-from baguahvd.engine import execute
+from baguahvd.engine.execution import execute
 from tests.fakes import fake_mpi
 from tests.fakes.fake_cupy import FakeCupy, installed
 

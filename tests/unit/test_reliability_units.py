@@ -27,13 +27,13 @@ from baguahvd.common.exceptions import (
     StallError,
 )
 from baguahvd.common.logging_setup import TRACE, _RankFormatter, configure
+from baguahvd.engine.lifecycle.watchdog import Watchdog, is_gone, process_identity
 from baguahvd.engine.messages import OpType, RequestMeta
+from baguahvd.engine.negotiation.stall import StallInspector
 from baguahvd.engine.notices import Notice, NoticeKind, describe_exception, first_notice
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
-from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline
-from baguahvd.engine.watchdog import Watchdog, is_gone, process_identity
 from tests.support.jobs import run_one_rank
 
 # ---------------------------------------------------------------------------------------
@@ -211,7 +211,7 @@ def test_a_dead_process_is_gone_and_a_live_one_is_not() -> None:
 
 
 def _identity_of(pid: int) -> int:
-    from baguahvd.engine.watchdog import _start_time
+    from baguahvd.engine.lifecycle.watchdog import _start_time
 
     return _start_time(pid)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baguahvd.engine import execute
+from baguahvd.engine.execution import execute
 
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INTEGERS = (torch.int32, torch.int64, torch.uint8)

@@ -16,9 +16,8 @@ import torch
 
 from baguahvd.backends import nccl as backend
 from baguahvd.common.ops import ReduceOp
-from baguahvd.engine import execute
-from baguahvd.engine.dispatch import Dispatcher
-from baguahvd.engine.messages import OpType, RequestMeta, Response
+from baguahvd.engine.execution.dispatch import Dispatcher
+from baguahvd.engine.messages import OpType, RequestMeta, Response, dtype_name
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
 from tests.fakes import fake_mpi
@@ -149,7 +148,7 @@ class Rank:
                outputs: list[torch.Tensor] | None, **fields: object) -> Request:
         meta = RequestMeta(
             key=f"{op.name}.t", name=f"{op.name}.t", op=op, process_set_id=0, rank=0,
-            dtype=execute.dtype_name(inputs[0].dtype) if inputs else "",
+            dtype=dtype_name(inputs[0].dtype) if inputs else "",
             shapes=tuple(tuple(t.shape) for t in inputs), device="GPU",
         )
         request = Request(meta, inputs, outputs)

@@ -18,8 +18,8 @@ import torch
 
 from baguahvd.backends import nccl as backend
 from baguahvd.common.ops import ReduceOp
-from baguahvd.engine.completion import CollectiveFailure
-from baguahvd.engine.dispatch import Dispatcher
+from baguahvd.engine.execution.completion import CollectiveFailure
+from baguahvd.engine.execution.dispatch import Dispatcher
 from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request

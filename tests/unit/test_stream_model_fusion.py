@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from baguahvd.backends import nccl as backend
-from baguahvd.engine import execute
-from baguahvd.engine.dispatch import Dispatcher
+from baguahvd.engine.execution import execute
+from baguahvd.engine.execution.dispatch import Dispatcher
 from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request

@@ -10,7 +10,7 @@ import torch
 
 from baguahvd.backends import cuda_support
 from baguahvd.backends.base import SelfCommunicator
-from baguahvd.engine.dispatch import Dispatcher
+from baguahvd.engine.execution.dispatch import Dispatcher
 from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request

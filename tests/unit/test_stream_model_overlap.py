@@ -39,8 +39,8 @@ import baguahvd.torch as hvd
 from baguahvd.backends import nccl as backend
 from baguahvd.backends import nccl_setup
 from baguahvd.common.exceptions import HorovodInternalError
-from baguahvd.engine.completion import Completions
 from baguahvd.engine.engine import Engine
+from baguahvd.engine.execution.completion import Completions
 from baguahvd.engine.messages import OpType
 from tests.fakes import gpu_job
 from tests.fakes.stream_model import ModelStream, StreamModel

@@ -1,18 +1,19 @@
 """Execution dispatch: runs agreed units on their communicators and completes handles.
 
 A unit is one fused group of allreduces or one other collective (see
-:mod:`~baguahvd.engine.fusion`). It runs on the data communicator of its process set, or on
-the set's device communicator for GPU tensors (made at the set's first device collective by
-the factory the engine was given: every member runs the agreed units in the same order, so
-all of them make it in the same one). The tensor arithmetic lives in
-:mod:`~baguahvd.engine.execute`; process-set changes go to the registry the dispatcher was
-given. Every request's outcome (:class:`~baguahvd.engine.requests.Outcome`) is delivered to
-its handle here, or, for a device unit, by :mod:`~baguahvd.engine.completion`.
+:mod:`~baguahvd.engine.execution.fusion`). It runs on the data communicator of its process
+set, or on the set's device communicator for GPU tensors (made at the set's first device
+collective by the factory the engine was given: every member runs the agreed units in the
+same order, so all of them make it in the same one). The tensor arithmetic lives in
+:mod:`~baguahvd.engine.execution.execute`; process-set changes go to the registry the
+dispatcher was given. Every request's outcome (:class:`~baguahvd.engine.requests.Outcome`)
+is delivered to its handle here, or, for a device unit, by
+:mod:`~baguahvd.engine.execution.completion`.
 
 Device units run inside their communicator's ``ordered`` scope (see
 :meth:`baguahvd.backends.nccl.NCCLCommunicator.ordered`): after the submitters' streams, on
 the communicator's stream. They are launched, not waited for: their handles complete in
-:mod:`~baguahvd.engine.completion` once the unit's completion event has fired, while the
+:mod:`~baguahvd.engine.execution.completion` once the unit's completion event has fired, while the
 engine goes on with the next units. A member that joined contributes zeros on the device its
 submissions used.
 
@@ -40,9 +41,9 @@ import torch
 from baguahvd.backends import cuda_support, nccl
 from baguahvd.backends.base import Communicator, DeviceCommFactory, SelfCommunicator
 from baguahvd.common.exceptions import HorovodInternalError, MismatchError
-from baguahvd.engine import execute
-from baguahvd.engine.completion import CollectiveFailure, Completions, keep_named
-from baguahvd.engine.execute import ByteCount, FusionBuffers, FusionPool
+from baguahvd.engine.buffers import ByteCount, FusionBuffers, FusionPool
+from baguahvd.engine.execution import execute
+from baguahvd.engine.execution.completion import CollectiveFailure, Completions, keep_named
 from baguahvd.engine.messages import OpType, build_response
 from baguahvd.engine.process_sets import ProcessSetRegistry, ProcessSetState
 from baguahvd.engine.requests import Entry, Outcome, Request, deliver
@@ -50,20 +51,12 @@ from baguahvd.engine.timeline import Timeline, transport_activity
 
 logger = logging.getLogger("baguahvd.engine")
 
-__all__ = ["CollectiveFailure", "Dispatcher", "named_error"]
-
-
-def named_error(exc: Exception, name: str) -> HorovodInternalError:
-    """The error a request of a failed collective raises (see :func:`keep_named`)."""
-    return keep_named(exc, HorovodInternalError(f"{name} failed: {exc}"))
-
-
 class _Run:
     """What one call that runs a unit works with, passed down instead of kept on the
     dispatcher (whose engine thread and user threads run units at the same time): the unit's
     fusion buffers, whether it is a device unit launched without waiting (``split``: then
     what writes its outputs once its communication has finished without error is left in
-    ``rest``, see :func:`~baguahvd.engine.execute.allreduce`)."""
+    ``rest``, see :func:`~baguahvd.engine.execution.execute.allreduce`)."""
 
     __slots__ = ("buffers", "split", "rest")
 
@@ -167,11 +160,12 @@ class Dispatcher:
         :attr:`pending` once the unit's results are in place, or, with ``wait_here`` (a
         caller that is not the engine thread), before this returns.
 
-        An allreduce is launched in two parts: the copy in, the scaling before and the
-        NCCL call now; the scaling after and the copy out into the users' outputs once the
-        host has seen the first part finish without error (see
-        :mod:`~baguahvd.engine.completion`), so that a failed collective writes nothing into
-        the tensors of handles that fail. Its fusion buffers stay its own until then."""
+        An allreduce is launched in two parts: the copy in, the scaling before and the NCCL
+        call now; the scaling after and the copy out into the users' outputs once the host
+        has seen the first part finish without error (see
+        :mod:`~baguahvd.engine.execution.completion`), so that a failed collective writes
+        nothing into the tensors of handles that fail. Its fusion buffers stay its own until
+        then."""
         ordered = getattr(comm, "ordered", None)
         buffers = pool.take()
         if ordered is None:
@@ -238,7 +232,8 @@ class Dispatcher:
         except Exception as exc:  # noqa: BLE001 - reported through the handle
             logger.exception("%s failed", response.name)
             cause = exc.error if isinstance(exc, CollectiveFailure) else exc
-            deliver([Outcome(request, error=named_error(cause, response.name))], self.timeline)
+            error = HorovodInternalError(f"{response.name} failed: {cause}")
+            deliver([Outcome(request, error=keep_named(cause, error))], self.timeline)
 
     def _execute_host_staged(
         self, unit: list[Entry], comm: Communicator, run: _Run

@@ -10,12 +10,12 @@ them and negotiate those names in full again.
 What may be cached is one rule (:func:`cache_key`): named data collectives, under their
 name, and unnamed allreduces and broadcasts of the global set, under what they move (op,
 dtype, shapes, device, reduce op, factors, root and fusion). Unnamed requests are paired by
-their order, so their own keys mean nothing from one step to the next; the negotiator lets only
-the oldest unnamed request of a rank use the cache (see
-:mod:`~baguahvd.engine.negotiation`), so the ranks' bits still pair the n-th unnamed call of
-every rank. Barriers, joins and process-set changes are rare and carry no shape worth
-skipping. A response is cached only when it ran (no error) with every member submitting (no
-joined rank), see :func:`response_cacheable`.
+their order, so their own keys mean nothing from one step to the next; the negotiator lets
+only the oldest unnamed request of a rank use the cache (see
+:mod:`~baguahvd.engine.negotiation.negotiator`), so the ranks' bits still pair the n-th
+unnamed call of every rank. Barriers, joins and process-set changes are rare and carry no
+shape worth skipping. A response is cached only when it ran (no error) with every member
+submitting (no joined rank), see :func:`response_cacheable`.
 """
 
 from __future__ import annotations
@@ -29,13 +29,12 @@ from collections.abc import Hashable
 from baguahvd.engine.messages import (
     DATA_OPS,
     GLOBAL_PROCESS_SET_ID,
+    UNNAMED_PREFIX,
     OpType,
     RequestMeta,
     Response,
+    is_unnamed,
 )
-
-UNNAMED_PREFIX = "noname."
-"""Negotiation keys of unnamed requests start with this."""
 
 UNNAMED_CACHEABLE_OPS = frozenset({OpType.ALLREDUCE, OpType.BROADCAST})
 """Unnamed collectives whose response every rank can name from its own request: the same
@@ -46,10 +45,6 @@ def may_cache(op: OpType, key: str) -> bool:
     """Whether a named collective of ``op`` negotiated under ``key`` may use the cache
     (unnamed ones: see :func:`cache_key`)."""
     return op in DATA_OPS and not is_unnamed(key)
-
-
-def is_unnamed(key: str) -> bool:
-    return key.startswith(UNNAMED_PREFIX)
 
 
 def cache_key(item: RequestMeta | Response) -> Hashable | None:
@@ -69,6 +64,12 @@ def cache_key(item: RequestMeta | Response) -> Hashable | None:
         UNNAMED_PREFIX, op, item.dtype, item.shapes, item.device, item.reduce_op, item.prescale,
         item.postscale, item.root, item.fuse,
     )
+
+
+def request_signature(meta: RequestMeta) -> tuple[object, ...]:
+    """What a cached entry must match for ``meta`` to hit it: for an unnamed request, the
+    request without its key and name, which change from one call to the next."""
+    return meta._replace(key="", name="") if is_unnamed(meta.key) else meta.signature()
 
 
 def response_cacheable(response: Response) -> bool:

@@ -1,72 +1,41 @@
-"""One rank's side of negotiation: what it announces each cycle and what it learns.
-
-Each cycle every rank runs the same exchange on the control plane:
-
-1. One bitwise AND over a byte vector: bit ``s`` of the first part says "my request for
-   cache slot ``s`` is pending" (or "I am not a member of its set"); the second part says
-   "slot ``s`` is still valid for me"; the last byte holds two flags whose cleared bit means
-   yes: "I have something to send rank 0" and "I announce the end of the job", and one
-   that stays set while "I have nothing pending" (see :meth:`Negotiator.pause_s`). A slot that
-   every rank marked pending runs from the cache without rank 0; one that some rank marked
-   invalid is evicted everywhere and its requests are negotiated in full.
-2. Only when some rank has something to send: a gather of
-   :class:`~baguahvd.engine.notices.RankReport` to rank 0, whose
-   :class:`~baguahvd.engine.coordinator.Coordinator` answers every rank with one
-   :class:`~baguahvd.engine.notices.Decision`.
-
-Rank 0 also uses the second step to hand every rank new autotune settings
-(:mod:`~baguahvd.engine.autotune`): while it holds a proposal it announces something to
-send, so the exchange happens, and the decision carries the settings to every rank in the
-same cycle.
-
-Unnamed allreduces and broadcasts of the global set are cached under what they move (see
-:mod:`~baguahvd.engine.cache`), which is safe only while the bits pair the n-th unnamed
-call of every rank. So a rank lets only its oldest unnamed request, with no other unnamed
-request of the set pending, wait on the cache (every rank has run the same unnamed
-collectives, so the oldest is the same n everywhere), and two more flag bits say whether
-it has an unnamed request in the full negotiation (then ranks whose oldest waits on the
-cache send it in full too: rank 0 pairs it there) and whether its oldest waits on the
-cache (if every rank's does and no slot is ready, their shapes differ: all send it in full,
-and rank 0 answers with the mismatch error).
-
-The cycle's agreed work is the cached hits (in slot order) followed by rank 0's responses.
-Every rank then caches the same responses in the same order (:meth:`Negotiator.remember`),
-which keeps the caches identical. While a rank has joined, nothing is answered from the
-cache: cached announcements cannot count ranks that joined.
-"""
+"""One rank's side of negotiation: what it announces each cycle and what it learns (the
+protocol is in :mod:`baguahvd.engine.negotiation`)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 from baguahvd.backends.base import ControlPlane
 from baguahvd.engine.autotune import Settings
-from baguahvd.engine.cache import (
+from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, RequestMeta, Response
+from baguahvd.engine.negotiation.bits import (
+    FLAG_IDLE,
+    FLAG_NO_SHUTDOWN,
+    FLAG_NO_UNNAMED_IN_FULL,
+    FLAG_NOTHING_TO_SEND,
+    FLAG_UNNAMED_WAITS,
+    set_bits,
+    slot_bits,
+    vector,
+)
+from baguahvd.engine.negotiation.cache import (
     Lookup,
     ResponseCache,
     cache_key,
     is_unnamed,
     may_cache,
+    request_signature,
     response_cacheable,
 )
-from baguahvd.engine.coordinator import Coordinator
-from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, RequestMeta, Response
+from baguahvd.engine.negotiation.coordinator import Coordinator
+from baguahvd.engine.negotiation.stall import StallInspector
 from baguahvd.engine.notices import Decision, Notice, RankReport
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Entry, Request
-from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline
-
-# Flag bits of the last byte of the negotiation vector; a cleared bit means "yes", except
-# for FLAG_UNNAMED_WAITS, whose AND is set when every rank's is.
-FLAG_NOTHING_TO_SEND = 1
-FLAG_NO_SHUTDOWN = 2
-FLAG_NO_UNNAMED_IN_FULL = 4
-FLAG_UNNAMED_WAITS = 8
-FLAG_IDLE = 16
 
 IDLE_PAUSE_MAX_S = 0.016
 """The longest pause between the cycles of an engine whose job has nothing pending."""
@@ -191,7 +160,7 @@ class Negotiator:
         if key is None or (unnamed and self.unnamed_pending > 1):
             self.to_send.append(request)
             return
-        found, slot = self.cache.lookup(meta.process_set_id, key, _signature(meta))
+        found, slot = self.cache.lookup(meta.process_set_id, key, request_signature(meta))
         if found is Lookup.HIT:
             self.waiting_on_cache[slot] = request
             if unnamed:
@@ -217,10 +186,10 @@ class Negotiator:
         """This rank's byte vector for the cycle's bitwise AND (see module docstring);
         ``busy``: this rank has collectives running that the engine waits for."""
         span = self._span
-        hits = self.cache.not_member | _bits(self.waiting_on_cache.keys(), span)
+        hits = self.cache.not_member | slot_bits(self.waiting_on_cache.keys(), span)
         valid = self._all_valid
         if self.stale_slots:
-            invalid = _bits(self.stale_slots, span)
+            invalid = slot_bits(self.stale_slots, span)
             valid = (self._all_slots & ~invalid).to_bytes(span, "little")
             self.stale_slots.clear()
         flags = 0xFF
@@ -238,7 +207,7 @@ class Negotiator:
                 flags &= ~FLAG_UNNAMED_WAITS
         else:
             flags &= ~FLAG_UNNAMED_WAITS
-        return _vector(hits.to_bytes(span, "little") + valid + bytes((flags,)))
+        return vector(hits.to_bytes(span, "little") + valid + bytes((flags,)))
 
     @staticmethod
     def end_agreed(agreed: np.ndarray) -> bool:
@@ -257,12 +226,12 @@ class Negotiator:
         if words[span : 2 * span] != self._all_valid:
             invalid = self._all_slots & ~int.from_bytes(words[span : 2 * span], "little")
             ready &= ~invalid
-            for slot in _set_bits(invalid, span):
+            for slot in set_bits(invalid, span):
                 self.cache.evict(slot)
                 stale = self.waiting_on_cache.pop(slot, None)
                 if stale is not None:
                     self.to_send.append(stale)
-        slots = _set_bits(ready, span)
+        slots = set_bits(ready, span)
         waiting = self.waiting_on_cache.pop
         entries: list[Entry] = [
             (response, waiting(slot, None))
@@ -352,7 +321,7 @@ class Negotiator:
     def announce_end(self, notice: Notice) -> None:
         """Runs the announcing half of a cycle with nothing but ``notice`` in it."""
         flags = 0xFF & ~FLAG_NOTHING_TO_SEND & ~FLAG_NO_SHUTDOWN
-        self.control.bitwise_and(_vector(bytes(self._span) + self._all_valid + bytes((flags,))))
+        self.control.bitwise_and(vector(bytes(self._span) + self._all_valid + bytes((flags,))))
         self.exchange(RankReport([], [], notice))
 
     def remember(self, response: Response, request: Request | None) -> None:
@@ -364,7 +333,7 @@ class Negotiator:
         if state is None:
             return
         key = cache_key(response)
-        signature = None if request is None else _signature(request.meta)
+        signature = None if request is None else request_signature(request.meta)
         for slot in self.cache.put(response, signature, state.includes(self.rank), key):
             # A request admitted as a hit on an entry that is now gone (ranks admit requests
             # in different cycles) must be negotiated in full, or it waits on a slot that
@@ -404,50 +373,7 @@ class Negotiator:
         return pending
 
 
-_FEW_BITS = 16
-"""Up to this many slots, bits are set and found one by one in Python integers; beyond,
-numpy does it in bulk (a burst of hundreds of cache hits)."""
-
-
-def _vector(words: bytes) -> np.ndarray:
-    """The control plane's writable ``uint8`` vector holding ``words``."""
-    return np.frombuffer(bytearray(words), dtype=np.uint8)
-
-
-def _bits(slots: Collection[int], span: int) -> int:
-    """An integer with bit ``s`` set for each slot ``s`` of ``slots``."""
-    if len(slots) <= _FEW_BITS:
-        bits = 0
-        for slot in slots:
-            bits |= 1 << slot
-        return bits
-    marked = np.zeros(span * 8, dtype=bool)
-    marked[list(slots)] = True
-    return int.from_bytes(np.packbits(marked, bitorder="little").tobytes(), "little")
-
-
-def _set_bits(bits: int, span: int) -> list[int]:
-    """The positions of the set bits of ``bits`` (below ``span`` bytes), lowest first."""
-    positions: list[int] = []
-    for _ in range(_FEW_BITS):
-        if not bits:
-            return positions
-        lowest = bits & -bits
-        positions.append(lowest.bit_length() - 1)
-        bits ^= lowest
-    if bits:
-        rest = np.frombuffer(bits.to_bytes(span, "little"), dtype=np.uint8)
-        positions += np.flatnonzero(np.unpackbits(rest, bitorder="little")).tolist()
-    return positions
-
-
 def _counted(meta: RequestMeta) -> bool:
     """Whether ``meta`` is an unnamed request of the global set (counted in
     :attr:`Negotiator.unnamed_pending`)."""
     return meta.process_set_id == GLOBAL_PROCESS_SET_ID and is_unnamed(meta.key)
-
-
-def _signature(meta: RequestMeta) -> tuple[object, ...]:
-    """What a cached entry must match for ``meta`` to hit it: for an unnamed request, the
-    request without its key and name, which change from one call to the next."""
-    return meta._replace(key="", name="") if is_unnamed(meta.key) else meta.signature()

@@ -6,7 +6,7 @@ nothing. Otherwise each request is filed under (process set, key); once every me
 its set has submitted it, or joined, :func:`~baguahvd.engine.messages.build_response` checks
 that they agree and turns them into one response (or the mismatch error every member
 raises). Once every rank has joined, a JOIN response completes the joins. Rank 0 also times
-what waits here (:mod:`~baguahvd.engine.stall`) and records negotiation in the timeline.
+what waits here (:mod:`~baguahvd.engine.negotiation.stall`) and records negotiation in the timeline.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from baguahvd.engine.messages import (
     Response,
     build_response,
 )
+from baguahvd.engine.negotiation.stall import StallInspector
 from baguahvd.engine.notices import Decision, Notice, RankReport, first_notice
 from baguahvd.engine.process_sets import ProcessSetState
-from baguahvd.engine.stall import StallInspector
 from baguahvd.engine.timeline import Timeline
 
 

@@ -1,0 +1,304 @@
+"""The engine thread: one cycle after another until the job ends.
+
+Each cycle (:meth:`EngineLoop.cycle`) asks the parts in turn and acts on what they return:
+the intake's new requests go to the negotiator; the negotiator's agreed work (cached hits,
+then rank 0's responses) goes through the fusion plan to the dispatcher, unit by unit; what
+the cycle decided about autotune settings is applied at its end. The protocol is in
+:mod:`baguahvd.engine.engine`; a failure on this thread ends the job as
+:meth:`EngineLoop.run` says.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+from baguahvd.backends.base import ControlPlane
+from baguahvd.common.config import Config
+from baguahvd.common.exceptions import HorovodInternalError, PeerFailureError, ShutDownError
+from baguahvd.engine.autotune import Autotuner, Settings
+from baguahvd.engine.execution.completion import CollectiveFailure, keep_named
+from baguahvd.engine.execution.dispatch import Dispatcher
+from baguahvd.engine.execution.fusion import plan_fusion, unfused_sizes
+from baguahvd.engine.intake import RequestQueue
+from baguahvd.engine.lifecycle.states import Lifecycle, State
+from baguahvd.engine.messages import OpType
+from baguahvd.engine.negotiation.negotiator import Negotiator
+from baguahvd.engine.negotiation.stall import StallInspector
+from baguahvd.engine.notices import Notice, NoticeKind, describe_exception
+from baguahvd.engine.process_sets import ProcessSetState
+from baguahvd.engine.requests import Entry, Outcome, Request, deliver
+from baguahvd.engine.timeline import Timeline
+
+logger = logging.getLogger("baguahvd.engine")
+
+
+class _Abandoned(Exception):
+    """The engine thread stops waiting for its peers: the job is ending."""
+
+
+class EngineLoop:
+    """The engine thread's state and its cycle (see module docstring).
+
+    Args:
+        config: the job's configuration.
+        control: the negotiation channel over every rank of the job.
+        process_sets: the registered process sets, by id.
+        queue: the intake the cycles take new requests from.
+        lifecycle: the engine's lifecycle.
+        dispatch: runs the agreed units.
+        timeline: rank 0's timeline, if any.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        control: ControlPlane,
+        process_sets: dict[int, ProcessSetState],
+        queue: RequestQueue,
+        lifecycle: Lifecycle,
+        dispatch: Dispatcher,
+        timeline: Timeline | None,
+    ) -> None:
+        self.config, self.control, self.process_sets = config, control, process_sets
+        self.rank = control.rank
+        self.queue, self.lifecycle, self.dispatch, self.timeline = (
+            queue, lifecycle, dispatch, timeline
+        )
+        self.inspector = StallInspector(
+            config.stall_check_time_s, config.stall_shutdown_time_s, config.stall_check_disable
+        )
+        self.negotiation = Negotiator(
+            self.rank, control.size, control, process_sets, config.cache_capacity,
+            self.inspector, timeline,
+        )
+        self.executing: list[Request] = []
+        """The requests of the units this cycle runs (failed with the rest if it stops)."""
+        self.cycles = 0
+        self.settings = Settings(config.fusion_threshold, config.cycle_time_ms)
+        """The fusion threshold and cycle time in use (autotune changes them)."""
+        self.settings_changes: list[tuple[int, Settings]] = []
+        """Autotune: (cycle, settings) of every change, the cycle being the last one run
+        under the previous settings; the same on every rank."""
+        self.tuner = (
+            Autotuner(
+                self.settings, config.autotune_warmup_samples,
+                config.autotune_steps_per_sample, config.autotune_max_samples,
+                config.autotune_log,
+                (config.hierarchical_allreduce, config.hierarchical_allgather,
+                 config.cache_capacity > 0),
+            )
+            if config.autotune and self.rank == 0 and control.size > 1
+            else None
+        )
+
+    def run(self) -> None:
+        """The engine thread's body: cycles until the job ends, then fails what is left."""
+        _tighten_timer_slack()
+        torch.set_grad_enabled(False)  # for this thread: collectives write raw buffers
+        if self.config.thread_affinity:
+            cores = self.config.thread_affinity
+            try:
+                os.sched_setaffinity(0, {cores[self.rank % len(cores)]})
+            except (AttributeError, OSError) as exc:
+                logger.warning("could not pin the engine thread: %s", exc)
+        lifecycle = self.lifecycle
+        queue = self.queue
+        pending = self.dispatch.pending
+        try:
+            while lifecycle.error is None:
+                cycle_ms = self.settings.cycle_time_ms
+                # While requests are in flight, the next cycle starts at once: peers are
+                # waiting for this rank to announce what it has; an idle job pauses longer.
+                # Meanwhile, device units launched earlier complete as they finish.
+                pause = self.negotiation.pause_s(cycle_ms)
+                pending.wait(queue.wake, pause)
+                queue.wake.clear()
+                queue.let_burst_finish(cycle_ms)
+                if not self.cycle():
+                    break
+        except _Abandoned:
+            pass
+        except CollectiveFailure as failure:
+            self._collective_failed(failure)
+        except BaseException as exc:  # noqa: BLE001 - the error is handed to every waiter
+            self._internal_error(exc)
+        finally:
+            if len(pending):
+                pending.abandon(lifecycle.error or ShutDownError())
+
+    def cycle(self) -> bool:
+        """One negotiation round; returns False once the job is shutting down."""
+        self.cycles += 1
+        new = self.queue.take()
+        lifecycle = self.lifecycle
+        notice = lifecycle.notice
+        negotiation = self.negotiation
+        if new:
+            self.inject_fault("admit", new)
+            negotiation.admit_all(new)
+        now = time.monotonic()
+        if self.inspector.due(now) and (stall := negotiation.check_stalls(now)) is not None:
+            lifecycle.announce(stall)
+        words = negotiation.announcement(notice, busy=len(self.dispatch.pending) > 0)
+        # From here until the cycle ends, ranks are in the middle of the same exchange.
+        lifecycle.begin_cycle()
+        agreed = self.control.bitwise_and(words, self._waiting)
+        if negotiation.end_agreed(agreed):
+            # Some rank announced the end of the job: this cycle runs nothing, and the
+            # device units every rank launched finish first.
+            self.dispatch.pending.drain()
+            decision = negotiation.negotiate(notice)
+            final = decision.notice or Notice(NoticeKind.SHUTDOWN, -1)
+            lifecycle.stop(final.error(self.rank), abnormal=final.abnormal)
+            lifecycle.end_cycle()
+            return False
+        entries = negotiation.cached_work(agreed)
+        negotiated: list[Entry] = []
+        if negotiation.exchange_agreed(agreed):
+            negotiated = negotiation.answered(negotiation.negotiate(None).responses)
+            entries += negotiated
+        for response, own in negotiated:
+            if own is None:
+                # Ran (or failed) while this rank had joined: count it, before the join can
+                # return, so that this rank's next unnamed collective pairs with the others'.
+                self.queue.skip_unnamed(response.process_set_id, response.key)
+        self.executing = [request for _, request in entries if request is not None]
+        timeline = self.timeline
+        if timeline is not None and timeline.active and entries:
+            timeline.cycle_started()
+            for response, own in entries:
+                if own is not None:
+                    timeline.queued(response.name, response.op, own.activity)
+        self.inject_fault("run", entries)
+        for unit in plan_fusion(
+            entries, self.settings.fusion_threshold, self.config.disable_group_fusion,
+            unfused_sizes(self.process_sets, self.config.unfused_bytes),
+        ):
+            try:
+                self.dispatch.run_unit(unit)
+            except Exception as exc:
+                raise CollectiveFailure(unit, exc) from exc
+            response = unit[0][0]
+            if response.op == OpType.REMOVE_PROCESS_SET and response.error is None:
+                self._forget_process_set(response.payload[0])
+        self.executing = []
+        for response, own in negotiated:
+            negotiation.remember(response, own)
+        self.queue.release_retries()
+        if self.tuner is not None and not self.tuner.frozen:
+            proposal = self.tuner.record(_reduced(entries))
+            if proposal is not None:
+                negotiation.propose(proposal)
+        lifecycle.end_cycle()
+        agreed_settings = negotiation.take_agreed_settings()
+        if agreed_settings is not None:
+            # Every rank got these in this cycle's decision: all switch between this cycle
+            # and the next.
+            self.settings = agreed_settings
+            self.settings_changes.append((self.cycles, agreed_settings))
+            if self.tuner is not None:
+                self.tuner.applied(agreed_settings)
+        return True
+
+    def inject_fault(self, stage: str, work: Sequence[object]) -> None:
+        """The one seam for fault-injection tests; does nothing. The engine thread calls it
+        with ``"admit"`` and the requests it takes from the queue, before negotiating them
+        (between cycles), and with ``"run"`` and the cycle's agreed work ((response,
+        request) pairs) before fusing and running it (mid-cycle). A test replaces it with a
+        function that raises, to see how the ranks end a job whose engine fails there."""
+
+    def _waiting(self) -> None:
+        """Called while the engine thread waits for the other ranks in a negotiation: gives
+        up once the engine has stopped (a peer's alarm, a lost peer), so the thread ends."""
+        if not self.control.threads_multiple:
+            self.lifecycle.check_alarm()
+        if self.lifecycle.error is not None:
+            raise _Abandoned
+
+    def _internal_error(self, exc: BaseException) -> None:
+        """A bug in the engine: fail this rank's requests and make sure the others do not
+        wait for it forever."""
+        logger.exception("the engine stopped after an internal error")
+        reason = f"baguahvd engine failed: {describe_exception(exc)}"
+        lifecycle = self.lifecycle
+        error = PeerFailureError(self.rank, reason)
+        if lifecycle.state is not State.IDLE:
+            # Mid-cycle (or stopped already), the peers may wait in an exchange this rank
+            # will not finish: tell them with an alarm; shutdown() waits for it to go out.
+            lifecycle.leave(error)
+        else:
+            lifecycle.stop(error, abnormal=True)
+            # Between cycles every rank is at the same point of the protocol: announce the
+            # failure in one more cycle, as an uncaught exception would.
+            try:
+                self.negotiation.announce_end(Notice(NoticeKind.FAILURE, self.rank, reason))
+                return
+            except BaseException:  # noqa: BLE001 - falls back to an alarm
+                logger.exception("could not tell the other ranks in a cycle")
+                lifecycle.leave()
+        lifecycle.leave_mid_cycle(reason)
+
+    def _collective_failed(self, failure: CollectiveFailure) -> None:
+        """A collective raised on this rank while it ran: this rank leaves the protocol (its
+        peers may wait in that collective, or its data communicators are out of step with
+        theirs), and every rank's pending and later collectives raise the error."""
+        exc = failure.error
+        names = [response.name for response, _ in failure.unit]
+        name = names[0] if len(names) == 1 else f"{names[0]} (fused with {len(names) - 1} more)"
+        logger.error("%s failed on this rank; ending the job", name, exc_info=exc)
+        reason = f"{name}: {describe_exception(exc)}"
+        error = PeerFailureError(self.rank, reason)
+        lifecycle = self.lifecycle
+        lifecycle.leave()
+        deliver([
+            Outcome(request, error=keep_named(exc, error)) for _, request in failure.unit
+            if request is not None and not request.handle.done()
+        ], self.timeline)
+        lifecycle.stop(error, abnormal=True)
+        lifecycle.leave_mid_cycle(reason)
+
+    def _forget_process_set(self, ident: int) -> None:
+        # The requests that waited on a removed set's cached responses can never run.
+        deliver([
+            Outcome(request, error=HorovodInternalError(
+                f"{request.meta.name}: process set {ident} was removed."))
+            for request in self.negotiation.forget_process_set(ident)
+        ], self.timeline)
+
+    def fail_everything(self, error: BaseException) -> None:
+        """Fails every request this rank still holds, wherever it is (the engine stopped)."""
+        pending = [
+            *self.queue.drain(), *self.negotiation.drain(), *self.executing,
+            *self.dispatch.pending.requests(),
+        ]
+        for request in pending:
+            if not request.handle.done():
+                request.handle.fail(error)
+
+
+
+def _reduced(entries: list[Entry]) -> list[tuple[str, int]]:
+    """Name and bytes of this rank's allreduces among a cycle's entries (autotune's measure)."""
+    return [
+        (response.name, sum(t.numel() * t.element_size() for t in own.inputs))
+        for response, own in entries
+        if own is not None and response.op == OpType.ALLREDUCE and response.error is None
+    ]
+
+
+def _tighten_timer_slack() -> None:
+    """Lets this thread's short sleeps end on time (Linux rounds them up by 50 us by
+    default), which is most of a small collective's latency."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_timerslack = 29
+        libc.prctl(pr_set_timerslack, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
