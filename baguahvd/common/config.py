@@ -213,6 +213,12 @@ class Config:
     """Default communication algorithm of DistributedOptimizer (BAGUAHVD_ALGORITHM)."""
     bucket_bytes: int = 10 * 1024 * 1024
     """Bucket size of the Bagua algorithms in bytes (BAGUAHVD_BUCKET_SIZE; Bagua's 10 MiB)."""
+    gradient_buckets: bool = True
+    """DistributedOptimizer's default path keeps gradients in flat buckets from its second
+    step on, each allreduced in place as one request when its last gradient is ready, with
+    no copy through a fusion buffer (BAGUAHVD_GRADIENT_BUCKETS; on by default). Gradients
+    become views of the buckets and ``zero_grad()`` zeroes them rather than setting them to
+    None. 0 reduces every gradient as its own request, as Horovod does."""
     check_call_sites: bool = False
     """Record the call site of every unnamed collective and fail those that ranks pair from
     different sites (BAGUAHVD_CHECK_CALL_SITES). Off by default: a script may legitimately
@@ -329,6 +335,7 @@ class Config:
             thread_affinity=affinity,
             algorithm=_lookup(env, "ALGORITHM", horovod_alias=False),
             bucket_bytes=_as_count(env, "BUCKET_SIZE", cls.bucket_bytes, minimum=1),
+            gradient_buckets=_as_bool(env, "GRADIENT_BUCKETS", True, horovod_alias=False),
             check_call_sites=_as_bool(env, "CHECK_CALL_SITES", horovod_alias=False),
             autotune=_as_bool(env, "AUTOTUNE"),
             autotune_log=_lookup(env, "AUTOTUNE_LOG") or None,

@@ -462,6 +462,33 @@ def _allreduce_start(
     )
 
 
+def bucket_allreduce_async_(
+    buffer: torch.Tensor,
+    name: str,
+    op: ReduceOp,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+) -> Handle:
+    """Starts an in-place allreduce of one flat gradient bucket, which the engine runs
+    alone rather than copying it into a fusion buffer. Not part of Horovod's API: the
+    buckets of DistributedOptimizer's default path, which have already checked the
+    buffer (flat, contiguous, floating point); returns the engine's handle itself."""
+    engine = runtime.require_engine()
+    return engine.submit(
+        OpType.ALLREDUCE,
+        "allreduce",
+        _process_set_id(process_set, "Allreduce"),
+        (buffer,),
+        (buffer,),
+        name=name,
+        reduce_op=op,
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+        fuse=False,
+    )
+
+
 def _waited(handle: Handle) -> list[torch.Tensor]:
     result = handle.wait()
     assert result is not None

@@ -4,6 +4,11 @@ backward is still running.
 Each parameter's gradient is allreduced as soon as autograd has accumulated it (a
 post-accumulate-grad hook), so communication overlaps the rest of the backward pass;
 ``step()`` waits for what is outstanding, then runs the wrapped optimizer.
+
+From the second step on, gradients that can be are views of flat buckets, each reduced as
+one request when its last gradient is due (:mod:`baguahvd.torch.buckets`); the others, and
+every gradient while ``BAGUAHVD_GRADIENT_BUCKETS=0``, with Adasum or with a compressor of
+the user's own, are reduced one by one (or by ``groups``) as in Horovod.
 """
 
 from __future__ import annotations
@@ -17,6 +22,13 @@ import torch
 from baguahvd.common.ops import ReduceOp
 from baguahvd.runtime.process_sets import ProcessSet
 from baguahvd.runtime.state import runtime
+from baguahvd.torch.buckets import (
+    BUCKET_COMPRESSIONS,
+    GradientBuckets,
+    Recording,
+    agree_layout,
+    layout_with_groups,
+)
 from baguahvd.torch.functions import broadcast_object
 from baguahvd.torch.mpi_ops import (
     allreduce_async_,
@@ -67,9 +79,19 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
             p: group for group in self._groups for p in group
         }
         self._group_ready: dict[tuple[torch.Tensor, ...], set[torch.Tensor]] = {}
-        elastic = bool(runtime.config is not None and runtime.config.elastic)
+        self._buckets: GradientBuckets | None = None
+        self._recording: Recording | None = None
+        """What the first step saw, while buckets are wanted and not built yet."""
+        config = runtime.config
+        elastic = bool(config is not None and config.elastic)
         if process_set.included() and (runtime.size() > 1 or elastic):
             self._register_hooks()
+            if (
+                (config is None or config.gradient_buckets)
+                and op != ReduceOp.ADASUM
+                and compression in BUCKET_COMPRESSIONS
+            ):
+                self._recording = Recording()
 
     # -- hooks -----------------------------------------------------------------------------
 
@@ -91,8 +113,22 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
     def _on_gradient(self, p: torch.Tensor) -> None:
         # The countdown reaches zero exactly when this gradient has been handed to an
         # allreduce (or to its group); it is reset only by synchronize().
+        recording = self._recording
+        if recording is not None:
+            recording.saw(p)
         if not self._count_pass(p):
             return
+        buckets = self._buckets
+        if buckets is not None:
+            if buckets.engine is not runtime.engine:
+                # An elastic reset: the layout's members are gone, so agree on a new one.
+                self._buckets = None
+                recording = self._recording = Recording()
+                recording.saw(p)
+            elif buckets.due(p):
+                return
+        if recording is not None:
+            recording.due(p)
         group = self._group_of.get(p)
         if group is None:
             self._handles[p] = self._allreduce_grad_async(p)
@@ -117,6 +153,10 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
             if not self.sparse_as_dense:
                 return sparse_allreduce_async(tensor, name, self.op, self.process_set), "sparse"
             tensor = tensor.to_dense()
+        elif not tensor.is_contiguous():
+            # A channels_last parameter's gradient: reduced as a contiguous copy, which
+            # synchronize() copies back.
+            tensor = tensor.contiguous()
         compressed, ctx = self._compression.compress(tensor)
         pre, post = self._factors()
         handle = allreduce_async_(
@@ -135,7 +175,7 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         for p in group:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+            grad = p.grad.to_dense() if p.grad.is_sparse else p.grad.contiguous()
             compressed, ctx = self._compression.compress(grad)
             tensors.append(compressed)
             contexts.append(ctx)
@@ -165,7 +205,13 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         launched: set[torch.Tensor] = set()
         for key in self._handles:
             launched.update(key if isinstance(key, tuple) else (key,))
+        buckets = self._buckets
+        if buckets is not None:
+            launched.update(buckets.slots)
+            buckets.force()
         for p in sorted(self._requires_update - launched, key=self._order):
+            if self._recording is not None:
+                self._recording.due(p)
             group = self._group_of.get(p)
             if group is not None:
                 if group not in self._handles:
@@ -189,7 +235,28 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
             self._reset_count((key,))
         self._handles.clear()
         self._group_ready.clear()
+        if buckets is not None:
+            buckets.wait()
+            self._reset_count(buckets.slots)
+        elif self._recording is not None:
+            self._build_buckets(self._recording)
         self._synchronized = True
+
+    def _build_buckets(self, recording: Recording) -> None:
+        """Agrees on the layout with the other members (collective) and moves the
+        gradients into their buckets."""
+        self._recording = None
+        names = self._parameter_names
+        threshold = runtime.require_engine().settings.fusion_threshold
+        order, threshold = agree_layout(
+            recording, names, self._requires_update, threshold, self.process_set
+        )
+        params = {names[p]: p for p in self._requires_update}
+        layout = layout_with_groups(order, params, self._groups, names, threshold)
+        if layout:
+            self._buckets = GradientBuckets(
+                layout, params, self.op, self._factors(), self._compression, self.process_set
+            )
 
     def _order(self, p: torch.Tensor) -> str:
         return self._parameter_names.get(p, "")
@@ -212,11 +279,26 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         # countdowns from the gradients.
         if self._handles or self._group_ready or self._passes_started():
             raise AssertionError(ZERO_GRAD_RACE)
-        return self._wrapped_optimizer_class.zero_grad(self, set_to_none)  # type: ignore[misc]
+        buckets = self._buckets
+        if buckets is None or not set_to_none:
+            return self._wrapped_optimizer_class.zero_grad(  # type: ignore[misc]
+                self, set_to_none
+            )
+        # Bucketed gradients stay views, zeroed a buffer at a time, as with DDP's
+        # gradient_as_bucket_view; the others are dropped.
+        slots = buckets.slots
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p not in slots:
+                    p.grad = None
+        buckets.zero_grads()
+        return None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._handles.clear()
         self._group_ready.clear()
+        if self._buckets is not None:
+            self._buckets.reset()
         self._synchronized = False
         self._reset_count()
         self._wrapped_optimizer_class.load_state_dict(self, state_dict)  # type: ignore[misc]

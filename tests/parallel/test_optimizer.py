@@ -8,6 +8,7 @@ gradient (what ``op=Average`` promises), computed by running every rank's loss l
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import re
 import warnings
@@ -93,6 +94,16 @@ def train_both(
         reference_backward(ref, loss, size, step)
         ref_optimizer.step()
     return model, ref
+
+
+def with_buckets(monkeypatch: pytest.MonkeyPatch, buckets: bool) -> None:
+    """Optimizers built from now on in this test use gradient buckets or not
+    (BAGUAHVD_GRADIENT_BUCKETS, which init() has read)."""
+    from baguahvd.runtime.state import runtime
+
+    assert runtime.config is not None
+    monkeypatch.setattr(runtime, "config",
+                        dataclasses.replace(runtime.config, gradient_buckets=buckets))
 
 
 def assert_same_parameters(model: nn.Module, ref: nn.Module, tol: float = 1e-10) -> None:
@@ -299,14 +310,17 @@ def test_backward_passes_per_step(rank: int, size: int, groups: Any, op: str) ->
     assert_same_parameters(model, ref)
 
 
+@pytest.mark.parametrize("buckets", [False, True], ids=["per_tensor", "buckets"])
 @pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("groups", [None, 2], ids=["ungrouped", "groups=2"])
 def test_each_gradient_is_reduced_once(
-    rank: int, size: int, groups: Any, passes: int, monkeypatch: pytest.MonkeyPatch
+    rank: int, size: int, groups: Any, passes: int, buckets: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from baguahvd.torch import buckets as bucket_module
     from baguahvd.torch import optimizer as module
 
-    calls = {"single": 0, "grouped": 0}
+    calls = {"single": 0, "grouped": 0, "bucket": 0}
 
     def counting(kind: str, function: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -318,22 +332,29 @@ def test_each_gradient_is_reduced_once(
     monkeypatch.setattr(module, "allreduce_async_", counting("single", module.allreduce_async_))
     monkeypatch.setattr(module, "grouped_allreduce_async_",
                         counting("grouped", module.grouped_allreduce_async_))
+    monkeypatch.setattr(bucket_module, "bucket_allreduce_async_",
+                        counting("bucket", bucket_module.bucket_allreduce_async_))
+    with_buckets(monkeypatch, buckets)
     model = mlp()
     optimizer = hvd.DistributedOptimizer(
         sgd(model.parameters()), named_parameters=model.named_parameters(),
         backward_passes_per_step=passes, groups=groups,
     )
-    for step in range(2):
+    for step in range(3):
         optimizer.zero_grad()
         for micro in range(passes):
             mse(model, rank, 10 * step + micro).backward()
         optimizer.step()
+    # The first step reduces gradients one by one (or by group) while it records their
+    # order; the next ones in buckets: one of all four gradients, or one per group.
     if size == 1:
-        assert calls == {"single": 0, "grouped": 0}
+        assert calls == {"single": 0, "grouped": 0, "bucket": 0}
     elif groups is None:
-        assert calls == {"single": 2 * 4, "grouped": 0}
+        assert calls == ({"single": 4, "grouped": 0, "bucket": 2} if buckets
+                         else {"single": 3 * 4, "grouped": 0, "bucket": 0})
     else:
-        assert calls == {"single": 0, "grouped": 2 * 2}
+        assert calls == ({"single": 0, "grouped": 2, "bucket": 2 * 2} if buckets
+                         else {"single": 0, "grouped": 3 * 2, "bucket": 0})
 
 
 def test_set_backward_passes_per_step(rank: int, size: int) -> None:
@@ -372,10 +393,14 @@ def test_too_many_backward_passes(rank: int, size: int) -> None:
     optimizer.step()
 
 
+@pytest.mark.parametrize("buckets", [False, True], ids=["per_tensor", "buckets"])
 @pytest.mark.parametrize("passes", [1, 2])
-def test_zero_grad_before_step_is_refused(rank: int, size: int, passes: int) -> None:
+def test_zero_grad_before_step_is_refused(
+    rank: int, size: int, passes: int, buckets: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Refused while allreduces are in flight, and (as in Horovod) while gradients are
-    half accumulated."""
+    half accumulated. Bucketed gradients are zeroed rather than dropped."""
+    with_buckets(monkeypatch, buckets)
     model = mlp()
     optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
                                          named_parameters=model.named_parameters(),
@@ -386,7 +411,10 @@ def test_zero_grad_before_step_is_refused(rank: int, size: int, passes: int) -> 
             optimizer.zero_grad()
     optimizer.step()
     optimizer.zero_grad()
-    assert all(p.grad is None for p in model.parameters())
+    if buckets and size > 1:
+        assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    else:
+        assert all(p.grad is None for p in model.parameters())
 
 
 def test_synchronize_then_clip(rank: int, size: int) -> None:

@@ -1,0 +1,374 @@
+"""DistributedOptimizer's gradient buckets against its per-tensor path.
+
+Each test trains the same model twice from the same seeds, once with buckets
+(``BAGUAHVD_GRADIENT_BUCKETS=1``, the default) and once without, and requires the same
+parameters and gradients bit for bit: a bucket sums each gradient elementwise exactly as
+the per-tensor request does. The first step of the bucketed run records the order of the
+gradients and builds the buckets, so every test runs several steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import baguahvd.torch as hvd
+from baguahvd.runtime.state import runtime
+
+STEPS = 4
+ROWS = 4
+
+Loss = Callable[[nn.Module, int, int], torch.Tensor]
+
+
+def use_buckets(monkeypatch: pytest.MonkeyPatch, buckets: bool) -> None:
+    """Optimizers built from now on use buckets or not (the setting init() has read)."""
+    assert runtime.config is not None
+    monkeypatch.setattr(runtime, "config",
+                        dataclasses.replace(runtime.config, gradient_buckets=buckets))
+
+
+def set_threshold(monkeypatch: pytest.MonkeyPatch, threshold: int) -> None:
+    engine = runtime.require_engine()
+    settings = engine.settings._replace(fusion_threshold=threshold)
+    monkeypatch.setattr(type(engine), "settings", property(lambda _: settings))
+
+
+class Mixed(nn.Module):
+    """Parameters of two dtypes, one channels_last convolution (reduced alone), a frozen
+    one, and a layer whose output only some steps use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.conv = nn.Conv2d(2, 3, 3, padding=1).to(memory_format=torch.channels_last)
+        self.norm = nn.LayerNorm(3 * 4 * 4)
+        self.head = nn.Linear(3 * 4 * 4, 5).double()
+        self.extra = nn.Linear(5, 5).double()
+        self.frozen = nn.Linear(5, 5).double().requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.norm(torch.tanh(self.conv(x)).flatten(1)).double()
+        out = self.frozen(self.head(h))
+        return self.extra(out) if step % 2 else out
+
+
+def mixed_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(ROWS, 2, 4, 4, generator=generator).to(memory_format=torch.channels_last)
+    y = torch.randn(ROWS, 5, generator=generator, dtype=torch.float64)
+    return nn.functional.mse_loss(model(x, step), y)
+
+
+class Many(nn.Module):
+    """Many small parameters, so that a small threshold makes many buckets."""
+
+    def __init__(self, layers: int = 12) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def many_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(ROWS, 6, generator=generator)
+    return (model(x, step) ** 2).mean()
+
+
+class Bag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.embedding = nn.Embedding(12, 3, sparse=True).double()
+        self.head = nn.Linear(3, 1).double()
+
+    def forward(self, ids: torch.Tensor, step: int) -> torch.Tensor:
+        return self.head(self.embedding(ids)).squeeze(-1)
+
+
+def bag_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(500 + 10 * step + rank)
+    ids = torch.randint(0, 12, (ROWS,), generator=generator)
+    target = torch.randn(ROWS, generator=generator, dtype=torch.float64)
+    return nn.functional.mse_loss(model(ids, step), target)
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def train(
+    monkeypatch: pytest.MonkeyPatch,
+    buckets: bool,
+    rank: int,
+    build: Callable[[], nn.Module] = Mixed,
+    loss: Loss = mixed_loss,
+    passes: int = 1,
+    zero: str = "optimizer",
+    clip: bool = False,
+    groups: Callable[[nn.Module], Any] | None = None,
+    **kwargs: Any,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Trains ``build()`` for STEPS steps; ``zero`` says how gradients are cleared:
+    ``optimizer`` (set_to_none), ``optimizer_in_place``, ``model`` (set_to_none on the
+    module, behind the optimizer's back) or ``replace`` (new zero tensors assigned)."""
+    use_buckets(monkeypatch, buckets)
+    model = build()
+    optimizer = hvd.DistributedOptimizer(
+        sgd(model.parameters()), named_parameters=model.named_parameters(),
+        backward_passes_per_step=passes,
+        groups=None if groups is None else groups(model), **kwargs,
+    )
+    for step in range(STEPS):
+        if zero == "optimizer":
+            optimizer.zero_grad()
+        elif zero == "optimizer_in_place":
+            optimizer.zero_grad(set_to_none=False)
+        elif zero == "model":
+            model.zero_grad()
+        else:
+            for p in model.parameters():
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        for micro in range(passes):
+            loss(model, rank, 10 * step + micro).backward()
+        if clip:
+            optimizer.synchronize()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        else:
+            optimizer.step()
+    return model, optimizer
+
+
+def assert_identical(first: nn.Module, second: nn.Module) -> None:
+    for (name, p), q in zip(first.named_parameters(), second.parameters()):
+        assert torch.equal(p, q), name
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None and q.grad is not None:
+            assert torch.equal(p.grad.to_dense(), q.grad.to_dense()), name
+
+
+def compare(monkeypatch: pytest.MonkeyPatch, rank: int, **kwargs: Any) -> torch.optim.Optimizer:
+    """Trains with and without buckets; returns the bucketed optimizer."""
+    reference, _ = train(monkeypatch, False, rank, **kwargs)
+    model, optimizer = train(monkeypatch, True, rank, **kwargs)
+    assert_identical(model, reference)
+    return optimizer
+
+
+def bucket_names(optimizer: torch.optim.Optimizer) -> list[str]:
+    buckets = getattr(optimizer, "_buckets", None)
+    return [] if buckets is None else [bucket.name for bucket in buckets.buckets]
+
+
+# ---------------------------------------------------------------------------------------
+# Identical results
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_same_as_per_tensor(monkeypatch: pytest.MonkeyPatch, rank: int, size: int,
+                            passes: int) -> None:
+    optimizer = compare(monkeypatch, rank, passes=passes)
+    if size > 1:
+        names = bucket_names(optimizer)
+        # The channels_last convolution's weight and the frozen layer stay out.
+        assert len(names) == 2  # one float32 bucket, one float64 bucket
+        assert not any("conv.weight" in name or "frozen" in name for name in names)
+        assert any("conv.bias" in name for name in names)
+
+
+@pytest.mark.parametrize("zero", ["optimizer_in_place", "model", "replace"])
+def test_gradients_cleared_or_replaced_behind_the_buckets(
+    monkeypatch: pytest.MonkeyPatch, rank: int, zero: str
+) -> None:
+    compare(monkeypatch, rank, zero=zero)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_compression(monkeypatch: pytest.MonkeyPatch, rank: int, name: str) -> None:
+    compare(monkeypatch, rank, compression=getattr(hvd.Compression, name))
+
+
+@pytest.mark.parametrize("options", [
+    {"gradient_predivide_factor": 2.0}, {"op": hvd.Sum}, {"clip": True},
+], ids=["predivide", "sum", "synchronize_then_clip"])
+def test_reduction_options(monkeypatch: pytest.MonkeyPatch, rank: int,
+                           options: dict[str, Any]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no step-after-synchronize warning
+        compare(monkeypatch, rank, **options)
+
+
+def test_groups_count(monkeypatch: pytest.MonkeyPatch, rank: int, size: int) -> None:
+    optimizer = compare(monkeypatch, rank, build=Many, loss=many_loss, groups=lambda _: 5)
+    if size > 1:
+        assert len(bucket_names(optimizer)) == 5
+
+
+def test_groups_lists(monkeypatch: pytest.MonkeyPatch, rank: int, size: int) -> None:
+    def groups(model: nn.Module) -> Any:
+        # A bucketable group, one with the channels_last weight and one whose layer the
+        # first step does not use: those two stay grouped allreduces.
+        return [[model.head.weight, model.head.bias], [model.conv.weight, model.conv.bias],
+                [model.extra.weight, model.extra.bias]]
+
+    optimizer = compare(monkeypatch, rank, groups=groups)
+    if size > 1:
+        names = bucket_names(optimizer)
+        assert any(name.endswith("[head.weight,head.bias]") for name in names)
+        assert not any("conv" in name or "extra" in name for name in names)
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True], ids=["sparse", "as_dense"])
+def test_sparse_gradients_stay_out(monkeypatch: pytest.MonkeyPatch, rank: int, size: int,
+                                   sparse_as_dense: bool) -> None:
+    optimizer = compare(monkeypatch, rank, build=Bag, loss=bag_loss,
+                        sparse_as_dense=sparse_as_dense)
+    if size > 1:
+        assert sorted(bucket_names(optimizer)) == [
+            "DistributedOptimizer.bucket.0[head.bias,head.weight]"
+            if "0[head.bias" in bucket_names(optimizer)[0]
+            else "DistributedOptimizer.bucket.0[head.weight,head.bias]"
+        ]
+
+
+def test_threshold_splits_in_ready_order(monkeypatch: pytest.MonkeyPatch, rank: int,
+                                         size: int) -> None:
+    # Three 6x6 float32 weights and their biases fit in 3 * (144 + 24) bytes.
+    set_threshold(monkeypatch, 3 * (144 + 24))
+    optimizer = compare(monkeypatch, rank, build=Many, loss=many_loss)
+    if size > 1:
+        names = bucket_names(optimizer)
+        assert len(names) == 4
+        # Backward reaches the last layer first.
+        for index, name in enumerate(names):
+            assert name.startswith(f"DistributedOptimizer.bucket.{index}[")
+            inside = sorted(name[name.index("[") + 1:-1].split(","))
+            layers = range(11 - 3 * index, 8 - 3 * index, -1)
+            assert inside == sorted(f"layers.{i}.{kind}" for i in layers
+                                    for kind in ("weight", "bias"))
+
+
+def test_process_set(monkeypatch: pytest.MonkeyPatch, rank: int, size: int) -> None:
+    evens = hvd.add_process_set(list(range(0, size, 2)))
+    odds = hvd.add_process_set(list(range(1, size, 2)))
+    try:
+        mine = evens if rank % 2 == 0 else odds
+        compare(monkeypatch, rank, process_set=mine)
+    finally:
+        hvd.remove_process_set(evens)
+        hvd.remove_process_set(odds)
+
+
+@pytest.mark.parametrize("options", [
+    {"buckets": False}, {"op": hvd.Adasum}, {"compression": "own"},
+], ids=["opt_out", "adasum", "own_compressor"])
+def test_reduced_one_by_one(monkeypatch: pytest.MonkeyPatch, rank: int,
+                            options: dict[str, Any]) -> None:
+    if options.get("compression") == "own":
+        class Own(hvd.Compression.none):  # type: ignore[name-defined,misc]
+            pass
+
+        options = {"compression": Own}
+    _, optimizer = train(monkeypatch, options.pop("buckets", True), rank, **options)
+    assert bucket_names(optimizer) == []
+
+
+# ---------------------------------------------------------------------------------------
+# No copies
+
+
+def test_no_bytes_through_fusion_buffers(monkeypatch: pytest.MonkeyPatch, rank: int,
+                                         size: int) -> None:
+    use_buckets(monkeypatch, True)
+    engine = runtime.require_engine()
+    model = Many(layers=40)
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=model.named_parameters())
+    copied = []
+    for step in range(STEPS):
+        before = engine.fusion_bytes
+        optimizer.zero_grad()
+        many_loss(model, rank, step).backward()
+        optimizer.step()
+        copied.append(engine.fusion_bytes - before)
+    if size > 1:
+        assert copied[1:] == [0] * (STEPS - 1)
+        assert_views_in_ready_order(model)
+
+
+def assert_views_in_ready_order(model: Many) -> None:
+    """The gradients are views of one buffer, the last layer's first."""
+    grads = [[p.grad for p in layer.parameters()] for layer in model.layers]
+    storages = {g.untyped_storage().data_ptr() for layer in grads for g in layer}
+    assert len(storages) == 1
+    for earlier, later in zip(grads, grads[1:]):
+        assert min(g.data_ptr() for g in earlier) > max(g.data_ptr() for g in later)
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA buckets (each rank drives GPU local_rank)
+
+
+def cuda_device() -> torch.device:
+    if not hvd.nccl_built():
+        pytest.skip("needs CuPy with NCCL (pip install baguahvd[cuda12])")
+    if torch.cuda.device_count() < hvd.local_size():
+        pytest.skip(f"needs {hvd.local_size()} GPUs on this node")
+    torch.cuda.set_device(hvd.local_rank())
+    return torch.device("cuda", hvd.local_rank())
+
+
+def cuda_many() -> nn.Module:
+    return Many(layers=40).to(cuda_device())
+
+
+def cuda_many_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randn(ROWS, 6, generator=generator).to(cuda_device())
+    return (model(x, step) ** 2).mean()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_cuda_same_as_per_tensor(monkeypatch: pytest.MonkeyPatch, rank: int, size: int,
+                                 compression: str) -> None:
+    optimizer = compare(monkeypatch, rank, build=cuda_many, loss=cuda_many_loss,
+                        compression=getattr(hvd.Compression, compression))
+    if size > 1:
+        assert len(bucket_names(optimizer)) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_no_bytes_through_fusion_buffers(monkeypatch: pytest.MonkeyPatch, rank: int,
+                                              size: int) -> None:
+    use_buckets(monkeypatch, True)
+    engine = runtime.require_engine()
+    model = cuda_many()
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=model.named_parameters())
+    copied = []
+    for step in range(STEPS):
+        before = engine.fusion_bytes
+        optimizer.zero_grad()
+        cuda_many_loss(model, rank, step).backward()
+        optimizer.step()
+        copied.append(engine.fusion_bytes - before)
+    if size > 1:
+        assert copied[1:] == [0] * (STEPS - 1)
+        assert_views_in_ready_order(model)  # type: ignore[arg-type]

@@ -1,0 +1,66 @@
+"""The bucket plan and the views of one process: no ranks needed."""
+
+from __future__ import annotations
+
+import torch
+
+from baguahvd.torch.buckets import (
+    GradientBucket,
+    adopt,
+    bucket_name,
+    can_bucket,
+    layout_with_groups,
+    plan_buckets,
+)
+
+
+def test_buckets_follow_the_order_per_key_within_the_threshold() -> None:
+    order = ["a", "b", "c", "d", "e"]
+    keys = {"a": "f32", "b": "f64", "c": "f32", "d": "f32", "e": "f64"}
+    sizes = {"a": 40, "b": 80, "c": 40, "d": 40, "e": 80}
+    assert plan_buckets(order, keys, sizes, 100) == [["a", "c"], ["b"], ["d"], ["e"]]
+    assert plan_buckets(order, keys, sizes, 1000) == [["a", "c", "d"], ["b", "e"]]
+
+
+def test_a_parameter_above_the_threshold_and_no_threshold_make_single_buckets() -> None:
+    keys = dict.fromkeys("abc", 0)
+    sizes = {"a": 10, "b": 500, "c": 10}
+    assert plan_buckets("abc", keys, sizes, 100) == [["a"], ["b"], ["c"]]
+    assert plan_buckets("abc", keys, {"a": 1, "b": 1, "c": 1}, 0) == [["a"], ["b"], ["c"]]
+
+
+def test_which_parameters_can_be_views() -> None:
+    assert can_bucket(torch.zeros(3, 4))
+    assert can_bucket(torch.zeros(3, dtype=torch.bfloat16))
+    assert not can_bucket(torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last))
+    assert not can_bucket(torch.zeros(4, 3).t())
+    assert not can_bucket(torch.zeros(0))
+    assert not can_bucket(torch.zeros(3, dtype=torch.int64))
+
+
+def test_groups_become_buckets_when_they_can() -> None:
+    a, b, c = torch.zeros(2), torch.zeros(2), torch.zeros(2, dtype=torch.float64)
+    d, e = torch.zeros(2), torch.zeros(2)
+    names = {a: "a", b: "b", c: "c", d: "d", e: "e"}
+    params = {name: p for p, name in names.items()}
+    # d is not bucketable (absent from the agreed order): its group stays grouped.
+    layout = layout_with_groups(["e", "a", "b", "c"], params, [(a, b), (c, d)], names, 1 << 20)
+    assert layout == [["e"], ["a", "b"]]
+
+
+def test_views_share_the_buffer_and_adopt_what_grad_holds() -> None:
+    p, q = torch.zeros(2, 3, requires_grad=True), torch.zeros(4, requires_grad=True)
+    q.grad = torch.ones(4)
+    bucket = GradientBucket(3, ["p", "q"], [p, q])
+    assert bucket.name == bucket_name(3, ["p", "q"]) == "DistributedOptimizer.bucket.3[p,q]"
+    bucket.attach()
+    assert p.grad is bucket.views[0] and q.grad is bucket.views[1]
+    assert bucket.buffer.tolist() == [0.0] * 6 + [1.0] * 4
+    (p.sum() * 2).backward()  # autograd accumulates into the view
+    assert bucket.buffer[:6].tolist() == [2.0] * 6
+    p.grad = torch.full((2, 3), 5.0)  # replaced behind the bucket's back
+    adopt(p, bucket.views[0])
+    assert p.grad is bucket.views[0] and bucket.buffer[:6].tolist() == [5.0] * 6
+    p.grad = None
+    adopt(p, bucket.views[0])
+    assert bucket.buffer[:6].tolist() == [0.0] * 6
