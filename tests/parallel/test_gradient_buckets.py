@@ -124,11 +124,15 @@ def train(
     zero: str = "optimizer",
     clip: bool = False,
     groups: Callable[[nn.Module], Any] | None = None,
+    meddle: str = "",
     **kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Trains ``build()`` for STEPS steps; ``zero`` says how gradients are cleared:
     ``optimizer`` (set_to_none), ``optimizer_in_place``, ``model`` (set_to_none on the
-    module, behind the optimizer's back) or ``replace`` (new zero tensors assigned)."""
+    module, behind the optimizer's back) or ``replace`` (new zero tensors assigned).
+    ``meddle``: ``regrad`` replaces every gradient by a copy between backward and step;
+    ``new_engine`` makes the buckets find another engine in the third step, as after an
+    elastic reset."""
     use_buckets(monkeypatch, buckets)
     model = build()
     optimizer = hvd.DistributedOptimizer(
@@ -147,8 +151,14 @@ def train(
             for p in model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
+        if meddle == "new_engine" and step == 2 and optimizer._buckets is not None:
+            optimizer._buckets.engine = None  # type: ignore[attr-defined]
         for micro in range(passes):
             loss(model, rank, 10 * step + micro).backward()
+        if meddle == "regrad":
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad = p.grad.clone()
         if clip:
             optimizer.synchronize()
             nn.utils.clip_grad_norm_(model.parameters(), 0.05)
@@ -201,6 +211,15 @@ def test_gradients_cleared_or_replaced_behind_the_buckets(
     monkeypatch: pytest.MonkeyPatch, rank: int, zero: str
 ) -> None:
     compare(monkeypatch, rank, zero=zero)
+
+
+@pytest.mark.parametrize("meddle", ["regrad", "new_engine"])
+def test_gradients_replaced_after_backward_and_a_new_engine(
+    monkeypatch: pytest.MonkeyPatch, rank: int, meddle: str
+) -> None:
+    optimizer = compare(monkeypatch, rank, meddle=meddle)
+    if hooked():
+        assert len(bucket_names(optimizer)) == 2  # built again after the new engine
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
