@@ -261,6 +261,22 @@ def _describe_first_mismatch(
     return None
 
 
+_AFTER_RANK = RequestMeta._fields.index("rank") + 1
+
+
+def _alike(metas: Sequence[RequestMeta]) -> bool:
+    """Whether the members' requests agree in everything but the rank, and so pass every
+    check: the common case, decided with one tuple comparison per member instead of the
+    checks' field-by-field walk (rank 0 matches every request of every rank on a miss).
+    Placeholders and the ragged collectives (whose rank-zero tensors are refused even when
+    every member sends one) take the full checks."""
+    first = metas[0]
+    if first.failure or first.op in RAGGED_OPS:
+        return False
+    op, rest = first.op, first[_AFTER_RANK:]
+    return all(meta.op is op and meta[_AFTER_RANK:] == rest for meta in metas[1:])
+
+
 _JOIN_UNSUPPORTED = {
     OpType.ALLGATHER: "Allgather is not supported with Join at this time. Specify "
     "sparse_to_dense=True if using DistributedOptimizer",
@@ -282,7 +298,7 @@ def build_response(
     """
     first = metas[0]
     base = dict(key=first.key, name=first.name, op=first.op, process_set_id=first.process_set_id)
-    error = (
+    error = None if _alike(metas) else (
         _describe_local_failures(metas)
         or _describe_site_mismatch(metas)
         or _describe_first_mismatch(metas, ranks)
