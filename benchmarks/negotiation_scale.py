@@ -1,0 +1,237 @@
+"""What negotiation costs a rank as the job grows: the in-process world at 2 to 256 ranks.
+
+Every rank is a thread driving a real :class:`~baguahvd.engine.engine.Engine` over the
+in-process world of ``tests/fakes/world.py``, with one change that makes the control plane
+cost what mpi4py's does: the payloads of ``gather`` and ``broadcast`` are pickled by the
+sender and unpickled by the receivers, on the engine thread, as mpi4py does for Python
+objects. Each step every rank submits ``--requests`` named allreduces of one float and waits
+for them. Two cases:
+
+- **hits**: the response cache on (Horovod's default); after the first step each cycle is
+  one bitwise AND over the ranks;
+- **misses**: ``HOROVOD_CACHE_CAPACITY=0``; every request goes to rank 0 in every step,
+  which matches it across the ranks and broadcasts the decision.
+
+Measured per step, on rank 0 (the coordinator) and on the median of the other ranks (the
+workers): the CPU time of the engine thread, less the time it spent inside the in-memory
+world's meetings (the fake transport: an MPI job spends that time in MPI instead). What is
+left is the engine's own work: building and reading announcements, pickling, matching,
+fusion planning, dispatch. Thread CPU time is unaffected by the threads sharing two cores,
+although the run's wall time is not.
+
+The prediction for 1,024 and 4,096 ranks fits ``a + b * ranks`` to each series, and adds a
+network model of the messages: hits cost one allreduce of the announcement's words
+(``2 * log2(ranks)`` latencies in a tree or recursive doubling, as MPI does for small
+messages), misses a gather of every report to rank 0 (``ranks - 1`` messages arriving at
+one rank) and a broadcast of the decision (``log2(ranks)`` latencies). Horovod's design is
+the same: a bit-vector allreduce for cache hits, a gather to its coordinator on misses.
+
+    python benchmarks/negotiation_scale.py --ranks 2 4 8 16 32 64 128 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pickle
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from baguahvd.engine.messages import OpType  # noqa: E402
+from tests.fakes import world as world_module  # noqa: E402
+
+FIT_FROM = 8
+"""The prediction fits the rows from this many ranks on (smaller jobs add fixed costs)."""
+
+CYCLE_TIME_MS = 1000.0
+"""Long, so that a cycle starts when a rank's thread waits for its step's handles (after
+submitting all of them), not while 256 threads on two cores are still submitting: the
+cycles per step are then what a job whose ranks have cores of their own would run."""
+
+LATENCY_S = 5e-6
+"""One small message between two nodes, for the network model (InfiniBand-class)."""
+
+
+def _thread_cpu(ident: int) -> float:
+    return time.clock_gettime(time.pthread_getcpuclockid(ident))
+
+
+class _Accounting:
+    """Per rank: the engine thread's id and the CPU time it spent in world meetings."""
+
+    def __init__(self, size: int) -> None:
+        self.thread = [0] * size
+        self.transport = [0.0] * size
+        self.bytes_to_root = [0] * size
+        self.decision_bytes = [0] * size
+
+
+def _timed_meet(accounting: _Accounting, rank: int, call: Callable[[], Any]) -> Any:
+    start = time.thread_time()
+    try:
+        return call()
+    finally:
+        accounting.transport[rank] += time.thread_time() - start
+
+
+class _PicklingControlPlane(world_module.MemoryControlPlane):
+    """The in-memory control plane, with mpi4py's pickling of object payloads."""
+
+    accounting: _Accounting
+
+    def bitwise_and(self, words: np.ndarray, waiting: Callable[[], None] | None = None
+                    ) -> np.ndarray:
+        self.accounting.thread[self.rank] = threading.get_ident()
+        parent = super().bitwise_and
+        return _timed_meet(self.accounting, self.rank, lambda: parent(words, waiting))
+
+    def gather(self, payload: Any) -> list[Any] | None:
+        data = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
+        self.accounting.bytes_to_root[self.rank] += len(data)
+        parent = super().gather
+        gathered = _timed_meet(self.accounting, self.rank, lambda: parent(data))
+        return None if gathered is None else [pickle.loads(item) for item in gathered]
+
+    def broadcast(self, payload: Any) -> Any:
+        data = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL) if self.rank == 0 else None
+        parent = super().broadcast
+        received = _timed_meet(self.accounting, self.rank, lambda: parent(data))
+        self.accounting.decision_bytes[self.rank] += len(received)
+        return pickle.loads(received)
+
+
+class _TimedCommunicator(world_module.MemoryCommunicator):
+    accounting: _Accounting
+
+    def _all(self, value: Any) -> list[Any]:
+        parent = super()._all
+        return _timed_meet(self.accounting, self.rank, lambda: parent(value))  # type: ignore[no-any-return]
+
+
+def measure(size: int, requests: int, steps: int, cached: bool) -> dict[str, Any]:
+    accounting = _Accounting(size)
+    _PicklingControlPlane.accounting = accounting
+    _TimedCommunicator.accounting = accounting
+    original = (world_module.MemoryControlPlane, world_module.MemoryCommunicator)
+    world_module.MemoryControlPlane = _PicklingControlPlane  # type: ignore[misc]
+    world_module.MemoryCommunicator = _TimedCommunicator  # type: ignore[misc]
+    try:
+        job = world_module.start_job(
+            size, cache_capacity=1024 if cached else 0, cycle_time_ms=CYCLE_TIME_MS
+        )
+    finally:
+        world_module.MemoryControlPlane, world_module.MemoryCommunicator = original  # type: ignore[misc]
+    tensors = [[torch.ones(1) for _ in range(requests)] for _ in range(size)]
+
+    def step(rank: int, engine: Any) -> None:
+        handles = [
+            engine.submit(OpType.ALLREDUCE, "allreduce", 0, [t], [t], name=f"grad.{i}")
+            for i, t in enumerate(tensors[rank])
+        ]
+        for handle in handles:
+            handle.wait()
+
+    timeout = 60.0 + size
+    try:
+        job.run(step, timeout)  # the first step fills the cache
+        cpu0 = [_thread_cpu(ident) for ident in accounting.thread]
+        transport0 = list(accounting.transport)
+        cycles0 = [engine.cycles for engine in job.engines]
+        bytes0 = list(accounting.bytes_to_root)
+        decisions0 = list(accounting.decision_bytes)
+        wall0 = time.perf_counter()
+        for _ in range(steps):
+            job.run(step, timeout)
+        wall = time.perf_counter() - wall0
+        own = [
+            (_thread_cpu(ident) - c0) - (t1 - t0)
+            for ident, c0, t0, t1 in zip(accounting.thread, cpu0, transport0,
+                                         accounting.transport)
+        ]
+        cycles = [engine.cycles - c0 for engine, c0 in zip(job.engines, cycles0)]
+    finally:
+        job.close()
+    return {
+        "ranks": size,
+        "cached": cached,
+        "coordinator_s": own[0] / steps,
+        "worker_s": statistics.median(own[1:]) / steps,
+        "cycles_per_step": statistics.median(cycles) / steps,
+        "report_bytes": statistics.median(
+            b1 - b0 for b0, b1 in zip(bytes0, accounting.bytes_to_root)) / steps,
+        "decision_bytes": statistics.median(
+            d1 - d0 for d0, d1 in zip(decisions0, accounting.decision_bytes)) / steps,
+        "wall_s_per_step": wall / steps,
+    }
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares ``a + b * ranks``."""
+    xs = np.array([p[0] for p in points], dtype=float)
+    ys = np.array([p[1] for p in points], dtype=float)
+    b, a = np.polyfit(xs, ys, 1)
+    return float(a), float(b)
+
+
+def network_s(ranks: int, cached: bool) -> float:
+    """Latency of the cycle's messages (see module docstring)."""
+    depth = math.ceil(math.log2(max(ranks, 2)))
+    if cached:
+        return 2 * depth * LATENCY_S
+    return (ranks - 1) * LATENCY_S / 4 + depth * LATENCY_S  # gather: 4 messages/latency in
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
+    parser.add_argument("--requests", type=int, default=64, help="allreduces per step")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--predict", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    for cached in (True, False):
+        for size in args.ranks:
+            row = measure(size, args.requests, args.steps, cached)
+            rows.append(row)
+            print(f"{'hits' if cached else 'misses':6} {size:4d} ranks: coordinator "
+                  f"{1e3 * row['coordinator_s']:8.3f} ms/step, worker "
+                  f"{1e3 * row['worker_s']:7.3f} ms/step, {row['cycles_per_step']:.1f} "
+                  f"cycles/step, reports {row['report_bytes']:.0f} B/step, decisions "
+                  f"{row['decision_bytes']:.0f} B/step, wall {row['wall_s_per_step']:.2f} s/step",
+                  flush=True)
+    predictions = []
+    for cached in (True, False):
+        series = [r for r in rows if r["cached"] == cached]
+        for role in ("coordinator_s", "worker_s"):
+            a, b = _fit([(r["ranks"], r[role]) for r in series if r["ranks"] >= FIT_FROM])
+            for size in args.predict:
+                predictions.append({
+                    "cached": cached, "role": role.removesuffix("_s"), "ranks": size,
+                    "engine_s": a + b * size, "network_s": network_s(size, cached),
+                    "fit": {"a": a, "b": b},
+                })
+    for p in predictions:
+        print(f"predicted {'hits' if p['cached'] else 'misses':6} {p['role']:11} at "
+              f"{p['ranks']:5d} ranks: engine {1e3 * p['engine_s']:8.3f} ms/step, "
+              f"messages {1e3 * p['network_s']:7.3f} ms/cycle", flush=True)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"requests": args.requests, "steps": args.steps, "rows": rows,
+                       "predictions": predictions, "latency_s": LATENCY_S}, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()
