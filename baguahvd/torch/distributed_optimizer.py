@@ -42,6 +42,13 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
     built from ``optimizer.param_groups``; hooks start an allreduce for each gradient as soon
     as it is ready, and ``step()`` waits for them.
 
+    From the second step on, dense contiguous gradients are views of flat buckets (per dtype
+    and device, in the order backward produces them, up to the fusion threshold each), and
+    each bucket is allreduced in place as one request once its last gradient is ready, with
+    no copy through a fusion buffer; ``zero_grad()`` then zeroes gradients instead of
+    setting them to None. ``BAGUAHVD_GRADIENT_BUCKETS=0`` reduces every gradient on its own,
+    as Horovod does (see :mod:`baguahvd.torch.buckets`).
+
     Args:
         optimizer: the optimizer to wrap.
         named_parameters: ``model.named_parameters()``; names key the allreduces across ranks
