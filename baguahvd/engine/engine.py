@@ -53,6 +53,7 @@ from baguahvd.common.exceptions import (
 )
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.autotune import Settings
+from baguahvd.engine.clock import SYSTEM_CLOCK, Clock
 from baguahvd.engine.execution.dispatch import Dispatcher
 from baguahvd.engine.intake import RequestQueue, ThreadActivity, describe_tensors
 from baguahvd.engine.lifecycle.states import Lifecycle, State
@@ -77,6 +78,7 @@ class Engine:
         control: the negotiation channel over every rank of the job.
         device_comms: makes a process set's device (GPU) communicator from its data
             communicator; without it, GPU collectives fail.
+        clock: what the engine thread's pauses between cycles are waited on.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class Engine:
         config: Config,
         control: ControlPlane,
         device_comms: DeviceCommFactory | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.config = config
         self.control = control
@@ -111,7 +114,7 @@ class Engine:
         )
         self._loop = EngineLoop(
             config, control, self.process_sets, self._queue, self._lifecycle, self._dispatch,
-            self.timeline,
+            self.timeline, clock,
         )
         self._activity = ThreadActivity()
 

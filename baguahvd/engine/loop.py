@@ -21,6 +21,7 @@ from baguahvd.backends.base import ControlPlane
 from baguahvd.common.config import Config
 from baguahvd.common.exceptions import HorovodInternalError, PeerFailureError, ShutDownError
 from baguahvd.engine.autotune import Autotuner, Settings
+from baguahvd.engine.clock import SYSTEM_CLOCK, Clock
 from baguahvd.engine.execution.completion import CollectiveFailure, keep_named
 from baguahvd.engine.execution.dispatch import Dispatcher
 from baguahvd.engine.execution.fusion import plan_fusion, unfused_sizes
@@ -52,6 +53,7 @@ class EngineLoop:
         lifecycle: the engine's lifecycle.
         dispatch: runs the agreed units.
         timeline: rank 0's timeline, if any.
+        clock: what the pauses between cycles are waited on (tests step their own).
     """
 
     def __init__(
@@ -63,12 +65,14 @@ class EngineLoop:
         lifecycle: Lifecycle,
         dispatch: Dispatcher,
         timeline: Timeline | None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.config, self.control, self.process_sets = config, control, process_sets
         self.rank = control.rank
         self.queue, self.lifecycle, self.dispatch, self.timeline = (
             queue, lifecycle, dispatch, timeline
         )
+        self.clock = clock
         self.inspector = StallInspector(
             config.stall_check_time_s, config.stall_shutdown_time_s, config.stall_check_disable
         )
@@ -116,7 +120,7 @@ class EngineLoop:
                 # waiting for this rank to announce what it has; an idle job pauses longer.
                 # Meanwhile, device units launched earlier complete as they finish.
                 pause = self.negotiation.pause_s(cycle_ms)
-                pending.wait(queue.wake, pause)
+                pending.wait(queue.wake, pause, self.clock)
                 queue.wake.clear()
                 queue.let_burst_finish(cycle_ms)
                 if not self.cycle():

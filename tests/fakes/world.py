@@ -24,7 +24,9 @@ import torch
 from baguahvd.backends.base import Communicator, ControlPlane, DeviceCommFactory
 from baguahvd.common.config import Config
 from baguahvd.common.ops import ReduceOp
+from baguahvd.engine.clock import SYSTEM_CLOCK
 from baguahvd.engine.engine import Engine
+from tests.fakes.clock import SteppedClock
 
 T = TypeVar("T")
 
@@ -340,11 +342,13 @@ class Job:
 
 
 def start_job(
-    size: int, device_comms: Callable[[int], DeviceCommFactory] | None = None, **config: Any
+    size: int, device_comms: Callable[[int], DeviceCommFactory] | None = None,
+    clock: SteppedClock | None = None, **config: Any,
 ) -> Job:
     """Builds and starts one engine per rank (what ``init()`` does, collectively).
 
-    ``device_comms(rank)``, when given, is the factory of that rank's device communicators.
+    ``device_comms(rank)``, when given, is the factory of that rank's device communicators;
+    ``clock``, when given, is the time the engines pause on between cycles.
     ``config`` overrides :class:`Config` fields; the defaults here never give up on a peer
     (the ranks share one process) and wait at most two seconds at exit.
     """
@@ -354,7 +358,10 @@ def start_job(
     controls = [MemoryControlPlane(world, rank) for rank in range(size)]
 
     def build(rank: int) -> Engine:
-        engine = Engine(cfg, controls[rank], None if device_comms is None else device_comms(rank))
+        engine = Engine(
+            cfg, controls[rank], None if device_comms is None else device_comms(rank),
+            SYSTEM_CLOCK if clock is None else clock.for_rank(rank),
+        )
         engine.start()
         return engine
 

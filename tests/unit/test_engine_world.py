@@ -25,6 +25,7 @@ from baguahvd.engine.lifecycle.states import State
 from baguahvd.engine.messages import OpType
 from baguahvd.engine.negotiation.negotiator import IDLE_PAUSE_MAX_S
 from baguahvd.engine.requests import Handle
+from tests.fakes.clock import SteppedClock
 from tests.fakes.world import Job, run_on_ranks, start_job
 
 SIZE = 3
@@ -231,47 +232,88 @@ def test_a_dynamic_process_set_runs_only_its_members(job: Job) -> None:
     assert job.run(body) == [2.0, None, 2.0]
 
 
-def _cycles_during(job: Job, seconds: float) -> list[int]:
-    before = [engine.cycles for engine in job.engines]
-    time.sleep(seconds)
-    return [engine.cycles - start for engine, start in zip(job.engines, before)]
+@pytest.fixture
+def stepped() -> Iterator[tuple[Job, SteppedClock]]:
+    """A job whose engines pause between cycles on a clock the test steps."""
+    clock = SteppedClock()
+    started = start_job(SIZE, clock=clock)
+    try:
+        yield started, clock
+    finally:
+        started.close()
 
 
-def test_an_idle_job_pauses_longer_between_cycles_and_a_submission_wakes_it(job: Job) -> None:
-    time.sleep(0.1)  # the pause has grown to its longest
-    # At the cycle time (1 ms) every rank would cycle up to 500 times in half a second.
-    assert max(_cycles_during(job, 0.5)) <= 0.5 / IDLE_PAUSE_MAX_S + 5
+def _idle_pauses(base: float, count: int) -> list[float]:
+    """The pauses of an idle job: the cycle time, doubled after every idle cycle, up to the
+    longest pause."""
+    return [min(base * 2.0 ** cycle, max(base, IDLE_PAUSE_MAX_S)) for cycle in range(count)]
 
-    def body(rank: int, engine: Engine) -> tuple[float, float]:
-        start = time.monotonic()
-        value = _result(_allreduce(engine, torch.tensor([float(rank)]), "after-idle")).item()
-        return value, time.monotonic() - start
 
-    for value, seconds in job.run(body):
-        assert value == 3.0
-        assert seconds < IDLE_PAUSE_MAX_S * 5  # not paced by the idle pause (usually < 1 ms)
+def test_an_idle_job_pauses_longer_between_cycles_and_a_submission_wakes_it(
+    stepped: tuple[Job, SteppedClock],
+) -> None:
+    job, clock = stepped
+    base = job.engines[0].settings.cycle_time_ms / 1000.0
+    for _ in range(8):
+        clock.step(waiting=SIZE)
+    for rank in range(SIZE):
+        assert clock.pauses(rank)[:8] == pytest.approx(_idle_pauses(base, 8))
+    assert _idle_pauses(base, 8)[-1] == IDLE_PAUSE_MAX_S
+    clock.wait_for(waiting=SIZE)
+    at, since = clock.now, len(clock.waits)
+
+    def body(rank: int, engine: Engine) -> float:
+        return _result(_allreduce(engine, torch.tensor([float(rank)]), "after-idle")).item()
+
+    assert job.run(body) == [3.0] * SIZE
+    # Each rank's longest pause ended at its submission: the clock never moved.
+    assert clock.now == at
+    for rank in range(SIZE):
+        paused = [wait for wait in clock.waits[:since] if wait.rank == rank][-1]
+        assert paused.timeout_s == pytest.approx(IDLE_PAUSE_MAX_S) and paused.woken
 
 
 def test_the_idle_pause_keeps_the_cycle_time_while_a_rank_waits_for_the_others(
-    job: Job,
+    stepped: tuple[Job, SteppedClock],
 ) -> None:
-    time.sleep(0.1)
+    job, clock = stepped
+    base = job.engines[0].settings.cycle_time_ms / 1000.0
+    for _ in range(8):
+        clock.step(waiting=SIZE)
+    clock.wait_for(waiting=SIZE)
     pending = _allreduce(job.engines[0], torch.ones(1), "early")
-    # Rank 0 announces its request every cycle, and the others answer at the cycle time.
-    assert min(_cycles_during(job, 0.3)) >= 30
+    since = len(clock.waits)
+    # Rank 0 announces its request every cycle without pausing; the others answer at the
+    # cycle time.
+    for _ in range(10):
+        clock.step(waiting=SIZE - 1)
+    clock.wait_for(waiting=SIZE - 1)
+    assert set(clock.pauses(0, since)) == {0.0}
+    for rank in (1, 2):
+        assert clock.pauses(rank, since)[:10] == [base] * 10
     late = [_allreduce(job.engines[r], torch.ones(1), "early") for r in (1, 2)]
     assert [_result(h).item() for h in (pending, *late)] == [3.0, 3.0, 3.0]
 
 
-def test_jobs_with_process_sets_keep_the_cycle_time_while_idle(job: Job) -> None:
+def test_jobs_with_process_sets_keep_the_cycle_time_while_idle(
+    stepped: tuple[Job, SteppedClock],
+) -> None:
+    job, clock = stepped
+    base = job.engines[0].settings.cycle_time_ms / 1000.0
+
     def add(rank: int, engine: Engine) -> None:
         engine.submit(OpType.ADD_PROCESS_SET, "add_process_set", 0, [], None,
                       payload=(0, 2)).wait()
 
     job.run(add)
-    time.sleep(0.1)
+    clock.wait_for(waiting=SIZE)
+    since = len(clock.waits)
     # A set's collective needs every rank's cycle, and nothing wakes the non-members.
-    assert min(_cycles_during(job, 0.3)) >= 30
+    for _ in range(10):
+        clock.step(waiting=SIZE)
+    clock.wait_for(waiting=SIZE)
+    for rank in range(SIZE):
+        assert clock.pauses(rank, since)[:10] == [base] * 10
 
 
 def test_shutdown_on_one_rank_stops_every_rank(job: Job) -> None:

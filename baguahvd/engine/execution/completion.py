@@ -26,11 +26,11 @@ next units while earlier ones still communicate. The protocol:
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from baguahvd.common.exceptions import HorovodInternalError
+from baguahvd.engine.clock import SYSTEM_CLOCK, Clock
 from baguahvd.engine.requests import Entry, Outcome, Request, deliver
 from baguahvd.engine.timeline import Timeline
 
@@ -149,22 +149,25 @@ class Completions:
         except Exception as exc:
             raise CollectiveFailure(pending.unit, exc) from exc
 
-    def wait(self, wake: threading.Event, timeout_s: float) -> None:
-        """``wake.wait(timeout_s)`` that completes units as they finish meanwhile."""
+    def wait(
+        self, wake: threading.Event, timeout_s: float, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
+        """``wake.wait(timeout_s)`` on ``clock`` that completes units as they finish
+        meanwhile."""
         self.poll()
         if not self._units:
-            wake.wait(timeout_s)
+            clock.wait(wake, timeout_s)
             return
-        deadline = time.monotonic() + timeout_s
+        deadline = clock.now() + timeout_s
         delay = _FIRST_POLL_S
         while not wake.is_set():
-            left = deadline - time.monotonic()
+            left = deadline - clock.now()
             if left <= 0:
                 return
             if not self._units:
-                wake.wait(left)
+                clock.wait(wake, left)
                 return
-            wake.wait(min(delay, left))
+            clock.wait(wake, min(delay, left))
             delay = _FIRST_POLL_S if self.poll() else min(delay * 2, _LONGEST_POLL_S)
 
     def abandon(self, error: BaseException) -> None:

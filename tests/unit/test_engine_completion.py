@@ -1,14 +1,109 @@
-"""Device units launched in two parts (``baguahvd.engine.execution.completion``): the communication,
-then, once the host has seen it finish without error, what writes the users' outputs."""
+"""Device units launched without waiting (``baguahvd.engine.execution.completion``): they
+complete in launch order, and those launched in two parts (the communication, then, once
+the host has seen it finish without error, what writes the users' outputs) complete after
+their second part."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
+from baguahvd.common.exceptions import ShutDownError
 from baguahvd.engine.execution.completion import CollectiveFailure, Completions
 from baguahvd.engine.messages import OpType, RequestMeta, build_response
 from baguahvd.engine.requests import Outcome, Request
+
+
+def _meta(rank: int, op: OpType = OpType.ALLREDUCE, name: str = "allreduce.w", **fields):
+    fields.setdefault("dtype", "float32")
+    fields.setdefault("shapes", ((4, 2),))
+    return RequestMeta(key=name, name=name, op=op, process_set_id=0, rank=rank, **fields)
+
+
+class _Device:
+    """A device communicator whose launched units finish when the test says so."""
+
+    def __init__(self) -> None:
+        self.fired: set[str] = set()
+        self.failure: Exception | None = None
+        self.aborted: list[str] = []
+
+    def finished(self, launched: str) -> bool:
+        if self.failure is not None:
+            raise self.failure
+        return launched in self.fired
+
+    def wait(self, launched: str) -> None:
+        self.fired.add(launched)
+
+    def abort(self, reason: str) -> None:
+        self.aborted.append(reason)
+
+
+class _Order(list):
+    """A timeline stand-in that lists the names of the requests as they complete."""
+
+    active = True
+
+    def done(self, name: str, args: object = None) -> None:
+        self.append(name)
+
+
+def _launched(completions: Completions, comm: _Device, name: str) -> Request:
+    request = Request(_meta(0, name=name), [torch.ones(1)], None)
+    response = build_response([request.meta], (0, 1), ())
+    completions.add(comm, name, [(response, request)], [Outcome(request, [])])
+    return request
+
+
+def _completions() -> tuple[Completions, _Order]:
+    order = _Order()
+    return Completions(order), order  # type: ignore[arg-type]
+
+
+def test_launched_units_complete_in_launch_order_across_communicators() -> None:
+    completions, order = _completions()
+    first, second = _Device(), _Device()
+    _launched(completions, first, "a")
+    _launched(completions, second, "b")
+    second.fired.add("b")
+    completions.poll()
+    assert order == [] and len(completions) == 2
+    first.fired.add("a")
+    completions.poll()
+    assert order == ["a", "b"] and len(completions) == 0
+
+
+def test_a_launched_unit_that_fails_names_its_unit() -> None:
+    completions, order = _completions()
+    comm = _Device()
+    request = _launched(completions, comm, "a")
+    comm.failure = RuntimeError("NCCL timeout")
+    with pytest.raises(CollectiveFailure, match="NCCL timeout") as info:
+        completions.poll()
+    assert info.value.unit[0][1] is request
+
+
+def test_waiting_for_the_next_cycle_completes_units_that_finish_meanwhile() -> None:
+    completions, order = _completions()
+    comm = _Device()
+    _launched(completions, comm, "a")
+    threading.Timer(0.01, lambda: comm.fired.add("a")).start()
+    completions.wait(threading.Event(), 2.0)
+    assert order == ["a"]
+
+
+def test_abandoned_units_abort_their_communicator_and_fail_their_handles() -> None:
+    completions, order = _completions()
+    comm = _Device()
+    requests = [_launched(completions, comm, name) for name in "ab"]
+    completions.abandon(ShutDownError())
+    assert len(comm.aborted) == 1 and order == []
+    for request in requests:
+        with pytest.raises(ShutDownError):
+            request.handle.wait()
 
 
 class Log(list):

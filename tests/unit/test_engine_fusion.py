@@ -1,26 +1,15 @@
-"""The engine's rules on their own: the fusion plan, what may be cached, the lifecycle table,
-and where device communicators come from."""
+"""The fusion plan (``baguahvd.engine.execution.fusion``): which agreed allreduces share a
+unit."""
 
 from __future__ import annotations
 
 import pytest
 
-from baguahvd.backends.base import Communicator, SelfCommunicator
-from baguahvd.common.exceptions import HorovodInternalError
+from baguahvd.backends.base import SelfCommunicator
 from baguahvd.common.ops import ReduceOp
-from baguahvd.engine.execution.dispatch import Dispatcher
 from baguahvd.engine.execution.fusion import plan_fusion, unfused_sizes
-from baguahvd.engine.lifecycle.states import (
-    ABNORMAL_STATES,
-    RUNNING_STATES,
-    Event,
-    State,
-    transition,
-)
 from baguahvd.engine.messages import OpType, Response
-from baguahvd.engine.negotiation.cache import cache_key, may_cache, response_cacheable
 from baguahvd.engine.process_sets import ProcessSetState
-from tests.fakes.world import MemoryCommunicator, World
 
 
 def _allreduce(name: str, count: int, **fields: object) -> tuple[Response, str]:
@@ -32,10 +21,6 @@ def _allreduce(name: str, count: int, **fields: object) -> tuple[Response, str]:
 
 def _names(units: list[list[tuple[Response, str]]]) -> list[list[str]]:
     return [[own for _, own in unit] for unit in units]
-
-
-# ---------------------------------------------------------------------------------------
-# Fusion plan
 
 
 def test_small_allreduces_of_one_kind_share_a_unit() -> None:
@@ -174,128 +159,3 @@ def test_unfused_sizes_come_from_the_communicators_unless_configured() -> None:
     assert unfused_sizes(sets, None) == {0: 8 << 20, 1: 0}
     assert unfused_sizes(sets, 0) == {0: 0, 1: 0}
     assert unfused_sizes(sets, 4096) == {0: 4096, 1: 4096}
-
-
-# ---------------------------------------------------------------------------------------
-# What may be cached
-
-
-@pytest.mark.parametrize(
-    ("op", "key", "expected"),
-    [
-        (OpType.ALLREDUCE, "allreduce.w", True),
-        (OpType.ALLGATHER, "allgather.w", True),
-        (OpType.BROADCAST, "broadcast.w", True),
-        (OpType.ALLTOALL, "alltoall.w", True),
-        (OpType.REDUCESCATTER, "reducescatter.w", True),
-        (OpType.ALLREDUCE, "noname.3", False),
-        (OpType.BARRIER, "barrier", False),
-        (OpType.JOIN, "join", False),
-        (OpType.ADD_PROCESS_SET, "add_process_set.x", False),
-        (OpType.REMOVE_PROCESS_SET, "remove_process_set.x", False),
-    ],
-)
-def test_may_cache(op: OpType, key: str, expected: bool) -> None:
-    assert may_cache(op, key) is expected
-
-
-def test_only_responses_that_ran_with_every_member_are_cached() -> None:
-    response, _ = _allreduce("allreduce.w", 1)
-    assert response_cacheable(response)
-    assert not response_cacheable(response._replace(error="mismatch"))
-    assert not response_cacheable(response._replace(joined=(2,)))
-
-
-def test_unnamed_allreduces_and_broadcasts_of_the_global_set_are_cached_under_what_they_move(
-) -> None:
-    response, _ = _allreduce("allreduce.w", 1)
-    first = response._replace(key="noname.0", name="allreduce.noname.0")
-    later = response._replace(key="noname.7", name="allreduce.noname.7")
-    assert response_cacheable(first)
-    assert cache_key(first) == cache_key(later) != cache_key(response)
-    assert cache_key(first) != cache_key(first._replace(shapes=((2,),)))
-    assert cache_key(first) != cache_key(first._replace(postscale=0.5))
-    assert cache_key(first) != cache_key(first._replace(fuse=False))
-    assert cache_key(first._replace(process_set_id=1)) is None
-    assert cache_key(first._replace(op=OpType.ALLGATHER)) is None
-    broadcast = first._replace(op=OpType.BROADCAST, root=0)
-    assert cache_key(broadcast) not in (None, cache_key(first))
-    assert cache_key(broadcast) != cache_key(broadcast._replace(root=1))
-    assert cache_key(response._replace(op=OpType.BARRIER)) is None
-
-
-# ---------------------------------------------------------------------------------------
-# Lifecycle
-
-
-def test_every_state_answers_every_event() -> None:
-    for state in State:
-        for event in Event:
-            assert isinstance(transition(state, event), State)
-
-
-def test_cycles_alternate_while_running_and_change_nothing_once_stopped() -> None:
-    assert transition(State.IDLE, Event.BEGIN_CYCLE) is State.NEGOTIATING
-    assert transition(State.NEGOTIATING, Event.END_CYCLE) is State.IDLE
-    for state in set(State) - RUNNING_STATES:
-        assert transition(state, Event.BEGIN_CYCLE) is state
-        assert transition(state, Event.END_CYCLE) is state
-
-
-def test_stopping_only_gets_worse() -> None:
-    for state in RUNNING_STATES:
-        assert transition(state, Event.STOP) is State.STOPPED
-        assert transition(state, Event.FAIL) is State.FAILED
-        assert transition(state, Event.LOSE_MPI) is State.STUCK
-    assert transition(State.STOPPED, Event.FAIL) is State.FAILED
-    assert transition(State.FAILED, Event.STOP) is State.FAILED
-    assert transition(State.FAILED, Event.LOSE_MPI) is State.STUCK
-    assert transition(State.STUCK, Event.FAIL) is State.STUCK
-    for state in ABNORMAL_STATES:
-        for event in (Event.STOP, Event.FAIL):
-            assert transition(state, event) in ABNORMAL_STATES
-
-
-def test_leaving_is_final() -> None:
-    for state in State:
-        assert transition(state, Event.LEAVE) is State.LEAVING
-    for event in Event:
-        assert transition(State.LEAVING, event) is State.LEAVING
-
-
-# ---------------------------------------------------------------------------------------
-# Device communicators come from the factory the engine was given
-
-
-def _dispatcher(factory: object) -> Dispatcher:
-    return Dispatcher(0, {}, None, factory)  # type: ignore[arg-type]
-
-
-def test_a_sets_device_communicator_is_made_once_by_the_factory() -> None:
-    made: list[Communicator] = []
-
-    def factory(comm: Communicator) -> Communicator:
-        made.append(comm)
-        return SelfCommunicator()
-
-    dispatcher = _dispatcher(factory)
-    data = SelfCommunicator()
-    state = ProcessSetState(1, (0, 1), data)
-    # A group of one needs no device communicator.
-    assert dispatcher.device_comm(state, data) is data and made == []
-    data_comm = _pair()
-    state = ProcessSetState(1, (0, 1), data_comm)
-    first = dispatcher.device_comm(state, data_comm)
-    assert dispatcher.device_comm(state, data_comm) is first
-    assert made == [data_comm] and state.device_comm is first
-
-
-def test_without_a_factory_device_collectives_fail_with_a_reason() -> None:
-    comm = _pair()
-    with pytest.raises(HorovodInternalError, match="without device communicators"):
-        _dispatcher(None).device_comm(ProcessSetState(1, (0, 1), comm), comm)
-
-
-def _pair() -> Communicator:
-    """A data communicator of two ranks (never used for data here)."""
-    return MemoryCommunicator(World(2), ("pair",), (0, 1), 0)

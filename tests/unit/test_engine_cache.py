@@ -1,0 +1,154 @@
+"""The response cache (``baguahvd.engine.negotiation.cache``): its slots, its order of
+eviction, and the one rule for what may be cached."""
+
+from __future__ import annotations
+
+import pytest
+
+from baguahvd.engine.messages import OpType, RequestMeta, Response
+from baguahvd.engine.negotiation.cache import (
+    Lookup,
+    ResponseCache,
+    cache_key,
+    may_cache,
+    response_cacheable,
+)
+
+
+def _meta(rank: int, op: OpType = OpType.ALLREDUCE, name: str = "allreduce.w", **fields):
+    fields.setdefault("dtype", "float32")
+    fields.setdefault("shapes", ((4, 2),))
+    return RequestMeta(key=name, name=name, op=op, process_set_id=0, rank=rank, **fields)
+
+
+def _response(key: str, process_set_id: int = 0) -> Response:
+    return Response(key=key, name=key, op=OpType.ALLREDUCE, process_set_id=process_set_id,
+                    dtype="float32", shapes=((4,),))
+
+
+def test_cache_hit_stale_miss() -> None:
+    cache = ResponseCache(4)
+    signature = _meta(0).signature()
+    cache.put(_response("a"), signature, member=True)
+    found, slot = cache.lookup(0, "a", signature)
+    assert found is Lookup.HIT and slot == 0
+    assert cache.response(slot).key == "a"
+    other = _meta(0, shapes=((5,),)).signature()
+    assert cache.lookup(0, "a", other) == (Lookup.STALE, 0)
+    assert cache.lookup(0, "b", signature) == (Lookup.MISS, -1)
+    # Keys are per process set.
+    assert cache.lookup(1, "a", signature) == (Lookup.MISS, -1)
+    assert len(cache) == 1
+
+
+def test_cache_lru_eviction_is_deterministic() -> None:
+    def run() -> list[tuple[str, int]]:
+        cache = ResponseCache(3)
+        for key in "abc":
+            cache.put(_response(key), None, member=True)
+        cache.touch(cache.lookup(0, "a", None)[1])
+        cache.put(_response("d"), None, member=True)  # evicts b, the least recently used
+        cache.touch(cache.lookup(0, "c", None)[1])
+        cache.put(_response("e"), None, member=True)  # evicts a
+        return sorted(
+            (key, cache.lookup(0, key, None)[1]) for key in "abcde"
+            if cache.lookup(0, key, None)[0] is Lookup.HIT
+        )
+
+    first = run()
+    assert [key for key, _ in first] == ["c", "d", "e"]
+    # The freed slots are reused lowest first, so every rank ends with the same layout.
+    assert dict(first) == {"c": 2, "d": 1, "e": 0}
+    assert run() == first
+
+
+def test_cache_put_same_key_replaces() -> None:
+    cache = ResponseCache(2)
+    cache.put(_response("a"), ("old",), member=True)
+    cache.put(_response("a"), ("new",), member=True)
+    assert len(cache) == 1
+    assert cache.lookup(0, "a", ("new",))[0] is Lookup.HIT
+
+
+def test_cache_evict_and_not_member_bits() -> None:
+    cache = ResponseCache(4)
+    cache.put(_response("a", process_set_id=0), None, member=True)
+    cache.put(_response("b", process_set_id=7), None, member=False)
+    cache.put(_response("c", process_set_id=7), None, member=False)
+    assert cache.not_member == 0b0110
+    cache.evict_process_set(7)
+    assert len(cache) == 1
+    assert cache.not_member == 0
+    assert cache.lookup(7, "b", None)[0] is Lookup.MISS
+    assert cache.lookup(0, "a", None)[0] is Lookup.HIT
+    cache.evict(0)
+    cache.evict(0)  # evicting an empty slot is harmless
+    assert len(cache) == 0
+
+
+def test_cache_of_capacity_zero_stores_nothing() -> None:
+    cache = ResponseCache(0)
+    cache.put(_response("a"), None, member=True)
+    assert len(cache) == 0
+    assert cache.lookup(0, "a", None)[0] is Lookup.MISS
+
+
+def test_cache_clear() -> None:
+    cache = ResponseCache(3)
+    for key in "abc":
+        cache.put(_response(key), None, member=True)
+    cache.clear()
+    assert len(cache) == 0
+    cache.put(_response("z"), None, member=True)
+    assert cache.lookup(0, "z", None) == (Lookup.HIT, 0)
+
+
+def _allreduce(name: str, count: int, **fields: object) -> tuple[Response, str]:
+    settings: dict[str, object] = {"dtype": "float32", "shapes": ((count,),), **fields}
+    response = Response(key=name, name=name, op=OpType.ALLREDUCE, process_set_id=0,
+                        **settings)  # type: ignore[arg-type]
+    return response, name
+
+
+@pytest.mark.parametrize(
+    ("op", "key", "expected"),
+    [
+        (OpType.ALLREDUCE, "allreduce.w", True),
+        (OpType.ALLGATHER, "allgather.w", True),
+        (OpType.BROADCAST, "broadcast.w", True),
+        (OpType.ALLTOALL, "alltoall.w", True),
+        (OpType.REDUCESCATTER, "reducescatter.w", True),
+        (OpType.ALLREDUCE, "noname.3", False),
+        (OpType.BARRIER, "barrier", False),
+        (OpType.JOIN, "join", False),
+        (OpType.ADD_PROCESS_SET, "add_process_set.x", False),
+        (OpType.REMOVE_PROCESS_SET, "remove_process_set.x", False),
+    ],
+)
+def test_may_cache(op: OpType, key: str, expected: bool) -> None:
+    assert may_cache(op, key) is expected
+
+
+def test_only_responses_that_ran_with_every_member_are_cached() -> None:
+    response, _ = _allreduce("allreduce.w", 1)
+    assert response_cacheable(response)
+    assert not response_cacheable(response._replace(error="mismatch"))
+    assert not response_cacheable(response._replace(joined=(2,)))
+
+
+def test_unnamed_allreduces_and_broadcasts_of_the_global_set_are_cached_under_what_they_move(
+) -> None:
+    response, _ = _allreduce("allreduce.w", 1)
+    first = response._replace(key="noname.0", name="allreduce.noname.0")
+    later = response._replace(key="noname.7", name="allreduce.noname.7")
+    assert response_cacheable(first)
+    assert cache_key(first) == cache_key(later) != cache_key(response)
+    assert cache_key(first) != cache_key(first._replace(shapes=((2,),)))
+    assert cache_key(first) != cache_key(first._replace(postscale=0.5))
+    assert cache_key(first) != cache_key(first._replace(fuse=False))
+    assert cache_key(first._replace(process_set_id=1)) is None
+    assert cache_key(first._replace(op=OpType.ALLGATHER)) is None
+    broadcast = first._replace(op=OpType.BROADCAST, root=0)
+    assert cache_key(broadcast) not in (None, cache_key(first))
+    assert cache_key(broadcast) != cache_key(broadcast._replace(root=1))
+    assert cache_key(response._replace(op=OpType.BARRIER)) is None

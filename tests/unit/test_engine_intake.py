@@ -1,0 +1,43 @@
+"""Handing requests to the engine thread (``baguahvd.engine.intake`` and the handles of
+``baguahvd.engine.requests``): when a waiting caller wakes the engine."""
+
+from __future__ import annotations
+
+import threading
+
+from baguahvd.engine.intake import RequestQueue
+from baguahvd.engine.messages import OpType, RequestMeta
+from baguahvd.engine.requests import Request
+
+
+def _meta(rank: int, op: OpType = OpType.ALLREDUCE, name: str = "allreduce.w", **fields):
+    fields.setdefault("dtype", "float32")
+    fields.setdefault("shapes", ((4, 2),))
+    return RequestMeta(key=name, name=name, op=op, process_set_id=0, rank=rank, **fields)
+
+
+def test_a_handle_tells_the_engine_before_it_blocks() -> None:
+    calls: list[int] = []
+    handle = Request(_meta(0), [], None).handle
+    handle.on_wait = lambda: calls.append(1)
+    threading.Timer(0.05, handle.complete, args=([],)).start()
+    assert handle.wait() == [] and calls == [1]
+    # A finished handle does not block, so the engine is not told.
+    assert handle.wait() == [] and calls == [1]
+
+
+def test_a_blocking_request_wakes_the_engine_when_its_caller_waits() -> None:
+    queue = RequestQueue(0)
+    asynchronous = Request(_meta(0, name="allreduce.a"), [], None)
+    queue.put(asynchronous, lambda: None)
+    assert queue.wake.is_set() and not queue.flush.is_set()
+    queue.take()
+    queue.wake.clear()
+    blocking = Request(_meta(0, name="allreduce.b"), [], None)
+    queue.put(blocking, lambda: None, blocking=True)
+    assert not queue.wake.is_set() and not queue.flush.is_set()
+    threading.Timer(0.05, blocking.handle.complete, args=([],)).start()
+    assert blocking.handle.wait() == []
+    # Its caller waited: the burst is over and the cycle starts.
+    assert queue.wake.is_set() and queue.flush.is_set()
+    assert [r.meta.name for r in queue.take()] == ["allreduce.b"]
