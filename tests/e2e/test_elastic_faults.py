@@ -12,7 +12,10 @@
 * end to end under ``baguahvdrun --elastic``: a damaged newest commit is refused and the
   job resumes from the one before, and a rank killed while its commit is written in the
   background resumes from an intact commit; both end with exactly the weights of an
-  undisturbed run.
+  undisturbed run;
+* in-process recovery (``baguahvdrun --gloo --elastic``): rank 0, the source of the state,
+  killed in the middle of the in-process reset that follows another rank's kill -9; the
+  job recovers in place again and ends with exactly the weights of an undisturbed run.
 
 Every test adds to :data:`FIGURES`, printed at the end of the module (``-s``); README's
 elastic section quotes them.
@@ -410,3 +413,35 @@ def test_a_rank_killed_during_a_background_write_resumes_from_an_intact_commit(
     assert len(list(folder.glob("commit-*.pt"))) == 2
     assert not list(folder.glob(".commit-*"))
     FIGURES["resumed"] += 1
+
+
+@pytest.mark.parallel
+def test_a_rank_killed_during_an_in_process_reset_recovers_in_place_again(
+    tmp_path: pathlib.Path,
+) -> None:
+    args = ["--gloo", "--elastic", "-np", "3"]
+    # Unfused, three ranks sum every gradient in the same order in every run.
+    unfused = {"HOROVOD_FUSION_THRESHOLD": "0"}
+    reference, _ = run_training_ok(args, tmp_path, tmp_path / "reference.pt", unfused)
+    folder = tmp_path / "commits"
+    # Rank 2 dies at step 9 (the last commit is at step 8); in the reset to round 1, rank 0
+    # (kept, and the rank every other syncs from) dies in its reset callback, before the
+    # sync: round 2 forms from the one survivor left and two new ranks.
+    killed, output = run_training_ok(
+        [*args, "--checkpoint-dir", str(folder)],
+        tmp_path,
+        tmp_path / "killed.pt",
+        env={**unfused, "KILL_RANK": "2", "KILL_STEP": "9", "KILL_IN_RESET_RANK": "0"},
+    )
+    assert "killing rank 0 during the reset to round 1" in output, output
+    assert "round 2: rank 0 (status 137) failed (restart 2 of 3); 2 ranks kept, 1 started" in (
+        output
+    ), output
+    assert "launch 2" not in output, output
+    FIGURES["faults injected"] += 2
+    assert killed["steps"] == 12 and killed["sizes"] == [3] * 12
+    for name, tensor in reference["model"].items():
+        assert torch.equal(tensor, killed["model"][name]), name
+    assert not list(folder.glob(".commit-*")) and not list(folder.glob("round-request.*"))
+    FIGURES["resumed"] += 1
+    FIGURES["steps redone"] += 9 - 8

@@ -5,7 +5,10 @@ kill one of its ranks at a given step (``KILL_RANK``, ``KILL_STEP``), kill the r
 writes the commits while the write of the commit at a given step runs in the background
 (``KILL_IN_WRITE_STEP``; ``BALLAST`` adds an untrained buffer of that many floats to the
 model, so that writes take a while), or ask for a bigger job (``GROW_AT_STEP``), and saves
-its final weights to ``OUT``. Used by
+its final weights to ``OUT``. Under ``--gloo`` (in-process recovery) faults are injected
+in the first round only, and ``KILL_IN_RESET_RANK`` kills that rank of round 1 in its reset
+callback, in the middle of the in-process reset. ``DEVICE=cuda`` trains on the GPUs (one
+per rank, by local rank). Used by
 ``tests/e2e/test_elastic.py`` and ``tests/e2e/test_elastic_faults.py``.
 """
 
@@ -35,6 +38,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import baguahvd.torch as hvd
 
+# Ranks sharing one GPU over NCCL: a host id per process, before NCCL loads.
+if "NCCL_HOSTID" in os.environ:
+    os.environ["NCCL_HOSTID"] += "-" + os.environ.get("BAGUAHVD_ELASTIC_WORKER", "0")
+
 EPOCHS, BATCH, COMMIT_EVERY = 3, 8, 4
 KILL_RANK = int(os.environ.get("KILL_RANK", "-1"))
 KILL_STEP = int(os.environ.get("KILL_STEP", "-1"))
@@ -45,6 +52,9 @@ OUT = os.environ["OUT"]
 
 hvd.init()
 launch = int(os.environ.get("BAGUAHVD_ELASTIC_RESTART", "0"))
+if os.environ.get("DEVICE") == "cuda":
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+device = torch.device(os.environ.get("DEVICE", "cpu"))
 
 
 def first_try():  # the first launch, and there the first round (in-process recovery)
@@ -59,6 +69,7 @@ dataset = TensorDataset(x, y)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 if BALLAST:
     model.register_buffer("ballast", torch.zeros(BALLAST))
+model.to(device)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
 optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=3)
@@ -66,7 +77,15 @@ loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
 state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, steps=0, sizes=[])
 
 
+KILL_IN_RESET_RANK = int(os.environ.get("KILL_IN_RESET_RANK", "-1"))
+STARTED_FIRST = first_try()
+
+
 def scale_lr():
+    if (STARTED_FIRST and hvd.rank() == KILL_IN_RESET_RANK
+            and os.environ.get("BAGUAHVD_ELASTIC_ROUND") == "1"):
+        print(f"killing rank {hvd.rank()} during the reset to round 1", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     for group in optimizer.param_groups:
         group["lr"] = 0.01 * hvd.size()
 
@@ -91,6 +110,7 @@ def train(state):
                 deadline = time.monotonic() + 60
                 while not os.path.exists(notice) and time.monotonic() < deadline:
                     time.sleep(0.05)
+            data, target = data.to(device), target.to(device)
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(data), target).backward()
             optimizer.step()
@@ -111,7 +131,8 @@ def train(state):
 
 train(state)
 if hvd.rank() == 0:
-    torch.save({"model": model.state_dict(), "steps": state.steps, "sizes": state.sizes,
+    weights = {name: tensor.cpu() for name, tensor in model.state_dict().items()}
+    torch.save({"model": weights, "steps": state.steps, "sizes": state.sizes,
                 "lr": optimizer.param_groups[0]["lr"]}, OUT)
 print(f"launch {launch}: rank {hvd.rank()} finished after {state.steps} steps", flush=True)
 """

@@ -190,12 +190,13 @@ def run_launcher(
     """Runs ``baguahvdrun <args>`` in ``cwd`` with :func:`job_env` and returns its output.
 
     Raises:
-        MpirunNotFoundError: no ``mpirun``, which the launcher would need.
+        MpirunNotFoundError: no ``mpirun``, which the launcher would need (not with
+            ``--gloo``).
         JobTimeoutError: the launcher ran past ``timeout`` seconds; it has been ended, and
             the message carries its output.
     """
     __tracebackhide__ = True
-    if find_mpirun() is None:
+    if "--gloo" not in args and find_mpirun() is None:
         raise MpirunNotFoundError
     with subprocess.Popen(
         launcher_command(args), cwd=cwd, env=job_env(extra_env), stdout=subprocess.PIPE,
@@ -281,11 +282,14 @@ def started_launcher(
                 _end(job)
 
 
-def rank_pid(rank: int, elastic_dir: pathlib.Path) -> int | None:
+def rank_pid(
+    rank: int, elastic_dir: pathlib.Path, rank_variable: str = "OMPI_COMM_WORLD_RANK"
+) -> int | None:
     """The pid of ``rank`` of the elastic job whose ``BAGUAHVD_ELASTIC_DIR`` is
-    ``elastic_dir``, found in ``/proc``; None while there is no such process."""
+    ``elastic_dir``, found in ``/proc`` by the variable that gave the process its rank
+    when it started (``RANK`` under ``--gloo``); None while there is no such process."""
     wanted = [
-        f"OMPI_COMM_WORLD_RANK={rank}".encode(),
+        f"{rank_variable}={rank}".encode(),
         f"BAGUAHVD_ELASTIC_DIR={elastic_dir}".encode(),
     ]
     for proc in pathlib.Path("/proc").iterdir():
@@ -306,6 +310,7 @@ def kill_rank_after(
     elastic_dir: pathlib.Path,
     commit_glob: str,
     timeout: float,
+    rank_variable: str = "OMPI_COMM_WORLD_RANK",
 ) -> float:
     """Sends SIGKILL to ``rank`` of an elastic ``job`` once a file matching ``commit_glob``
     exists in ``elastic_dir`` (its commits, e.g. ``"commit-5.*.pt"``); returns the time of
@@ -317,7 +322,7 @@ def kill_rank_after(
     deadline = time.monotonic() + timeout
     while job.poll() is None and time.monotonic() < deadline:
         if any(elastic_dir.glob(commit_glob)):
-            victim = rank_pid(rank, elastic_dir)
+            victim = rank_pid(rank, elastic_dir, rank_variable)
             if victim is not None:
                 killed_at = time.time()
                 os.kill(victim, signal.SIGKILL)
