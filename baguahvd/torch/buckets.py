@@ -243,10 +243,6 @@ class GradientBuckets:
         handle = bucket_allreduce_async_(wire, bucket.name, self.op, pre, post, self.process_set)
         bucket.in_flight = (handle, wire, ctx)
 
-    def launched(self) -> set[torch.Tensor]:
-        """The parameters whose bucket has been submitted in this step."""
-        return {p for bucket in self.buckets if bucket.in_flight is not None for p in bucket.params}
-
     def force(self) -> None:
         """Submits every bucket not yet submitted, with whatever its gradients hold (zeros
         for those that are None)."""
@@ -278,6 +274,7 @@ class GradientBuckets:
             self.reset()
 
     def reset(self) -> None:
+        """Forgets this step's progress (its requests are abandoned, not waited for)."""
         for bucket in self.buckets:
             bucket.in_flight = None
             bucket.remaining = len(bucket.params)
