@@ -199,3 +199,31 @@ def test_mismatch_wins_over_join_error() -> None:
         _meta(1, OpType.ALLGATHER, "g", shapes=((1, 3),)),
     ]
     assert "Mismatched ALLGATHER" in _error(metas, ranks=(0, 1, 2), joined=(2,))
+
+
+def test_identical_placeholders_still_fail_with_their_reasons() -> None:
+    # Members that agree in everything still fail when every one of them failed locally.
+    metas = [_meta(r, failure="ValueError: bad") for r in range(2)]
+    error = _error(metas)
+    assert "rank 0 failed its local checks: ValueError: bad" in error
+    assert "rank 1 failed its local checks" in error
+
+
+def test_identical_ragged_rank_zero_tensors_are_still_refused() -> None:
+    metas = [_meta(r, op=OpType.ALLGATHER, name="allgather.s", shapes=((),)) for r in range(3)]
+    assert "rank-zero tensor" in _error(metas)
+
+
+@pytest.mark.parametrize(
+    "field", [("dtype", "float16"), ("shapes", ((4, 3),)), ("reduce_op", ReduceOp.MAX),
+              ("prescale", 0.5), ("root", 1), ("device", "GPU"), ("fuse", False),
+              ("site", "train.py:9")],
+    ids=lambda f: f[0],
+)
+def test_a_member_that_differs_in_one_field_is_checked_in_full(field) -> None:
+    name, value = field
+    metas = [_meta(0, site="train.py:3" if name == "site" else ""), _meta(1),
+             _meta(2, **{name: value})]
+    if name == "site":
+        metas[1] = _meta(1, site="train.py:3")
+    assert "rank 2" in _error(metas)
