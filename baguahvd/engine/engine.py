@@ -1,7 +1,8 @@
 """The engine: one background thread per process owns every collective call.
 
-User threads call :meth:`Engine.submit`, which queues a :class:`Request` and returns its
-:class:`Handle`. Each cycle the engine thread
+User threads call :meth:`Engine.submit`, which describes the call once (a
+:class:`~baguahvd.engine.requests.Request`), queues it and returns its
+:class:`~baguahvd.engine.requests.Handle`. Each cycle the engine thread
 
 1. announces its pending requests: requests whose response is cached cost one bit each in a
    bitwise AND over the ranks; the others are sent, with their metadata, to rank 0;
@@ -18,20 +19,16 @@ Nothing waits forever. A rank that shuts down, fails (an uncaught exception, a b
 engine) or whose collectives stall past the shutdown time (rank 0's
 :mod:`~baguahvd.engine.negotiation.stall` inspector) ends the job in the next cycle with a
 :mod:`~baguahvd.engine.notices` notice that every rank turns into the same error; a peer
-that dies or freezes is noticed by the :mod:`~baguahvd.engine.lifecycle.watchdog`. A rank that fails
-in the middle of a cycle (a collective that raises on this rank only: no memory for the
-fusion buffer, a backend error) cannot wait for the next one, since its peers may be blocked
-in a collective it will never join: it sends the notice as an alarm outside the protocol
-(see :meth:`~baguahvd.engine.lifecycle.Lifecycle.leave_mid_cycle`). Rank 0 records what
-happens in the :mod:`~baguahvd.engine.timeline` when HOROVOD_TIMELINE is set.
+that dies or freezes is noticed by the :mod:`~baguahvd.engine.lifecycle.watchdog`. A rank
+that fails in the middle of a cycle (a collective that raises on this rank only: no memory
+for the fusion buffer, a backend error) cannot wait for the next one, since its peers may be
+blocked in a collective it will never join: it sends the notice as an alarm outside the
+protocol (see :meth:`~baguahvd.engine.lifecycle.states.Lifecycle.leave_mid_cycle`). Rank 0
+records what happens in the :mod:`~baguahvd.engine.timeline` when HOROVOD_TIMELINE is set.
 
-This module keeps the loop and asks its parts, acting on what they return: the
-:mod:`~baguahvd.engine.intake` queue, the :mod:`~baguahvd.engine.negotiation.negotiator`
-(with the :mod:`~baguahvd.engine.negotiation.coordinator` and the response cache), the
-:mod:`~baguahvd.engine.execution.fusion` plan, the
-:mod:`~baguahvd.engine.execution.dispatch` (device units complete in
-:mod:`~baguahvd.engine.execution.completion`), the :mod:`~baguahvd.engine.lifecycle.states`
-and :mod:`~baguahvd.engine.autotune`.
+This module builds the parts and holds what user threads call (submission, start, shutdown,
+failure); the engine thread's cycle is :mod:`~baguahvd.engine.loop`'s, which asks the parts
+and acts on what they return.
 """
 
 from __future__ import annotations

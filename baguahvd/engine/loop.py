@@ -22,7 +22,12 @@ from baguahvd.common.config import Config
 from baguahvd.common.exceptions import HorovodInternalError, PeerFailureError, ShutDownError
 from baguahvd.engine.autotune import Autotuner, Settings
 from baguahvd.engine.clock import SYSTEM_CLOCK, Clock
-from baguahvd.engine.execution.completion import CollectiveFailure, keep_named
+from baguahvd.engine.execution.completion import (
+    CollectiveFailure,
+    Outcome,
+    deliver,
+    keep_named,
+)
 from baguahvd.engine.execution.dispatch import Dispatcher
 from baguahvd.engine.execution.fusion import plan_fusion, unfused_sizes
 from baguahvd.engine.intake import RequestQueue
@@ -32,7 +37,7 @@ from baguahvd.engine.negotiation.negotiator import Negotiator
 from baguahvd.engine.negotiation.stall import StallInspector
 from baguahvd.engine.notices import Notice, NoticeKind, describe_exception
 from baguahvd.engine.process_sets import ProcessSetState
-from baguahvd.engine.requests import Entry, Outcome, Request, deliver
+from baguahvd.engine.requests import Entry, Request
 from baguahvd.engine.timeline import Timeline
 
 logger = logging.getLogger("baguahvd.engine")

@@ -5,12 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from baguahvd.engine.messages import RequestMeta, Response
-from baguahvd.engine.timeline import Timeline
 
 
 class Handle:
@@ -119,30 +118,3 @@ class Request:
 Entry = tuple[Response, "Request | None"]
 """An agreed response and this rank's request for it (None where it has none: a joined
 rank, or a response this rank only takes part in)."""
-
-
-class Outcome(NamedTuple):
-    """How one request ended: its results (and what its handle's ``extra`` holds), or its
-    error. The parts that run collectives return outcomes; :func:`deliver` hands them to the
-    handles."""
-
-    request: Request
-    result: list[torch.Tensor] | None = None
-    extra: Any = None
-    error: BaseException | None = None
-
-
-def deliver(outcomes: Sequence[Outcome], timeline: Timeline | None = None) -> None:
-    """Completes or fails the handles of ``outcomes``, after recording them in rank 0's
-    ``timeline``: the user may stop the timeline as soon as a handle is released."""
-    if timeline is not None and timeline.active:
-        for outcome in outcomes:
-            meta = outcome.request.meta
-            timeline.done(meta.name, {"dtype": meta.dtype, "shape": str(list(meta.shapes))})
-    # Last first: a thread waiting for the first handle of a batch (synchronize in
-    # submission order) wakes once, when the whole batch is done.
-    for request, result, extra, error in reversed(outcomes):
-        if error is not None:
-            request.handle.fail(error)
-        else:
-            request.handle.complete(result, extra)

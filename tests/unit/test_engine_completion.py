@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from baguahvd.common.exceptions import ShutDownError
-from baguahvd.engine.execution.completion import CollectiveFailure, Completions
+from baguahvd.engine.execution.completion import CollectiveFailure, Completions, Outcome
 from baguahvd.engine.messages import OpType, RequestMeta, build_response
-from baguahvd.engine.requests import Outcome, Request
+from baguahvd.engine.requests import Request
 
 
 def _meta(rank: int, op: OpType = OpType.ALLREDUCE, name: str = "allreduce.w", **fields):

@@ -26,13 +26,42 @@ next units while earlier ones still communicate. The protocol:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
+
+import torch
 
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.engine.clock import SYSTEM_CLOCK, Clock
-from baguahvd.engine.requests import Entry, Outcome, Request, deliver
+from baguahvd.engine.requests import Entry, Request
 from baguahvd.engine.timeline import Timeline
+
+
+class Outcome(NamedTuple):
+    """How one request ended: its results (and what its handle's ``extra`` holds), or its
+    error. The parts that run collectives return outcomes; :func:`deliver` hands them to the
+    handles."""
+
+    request: Request
+    result: list[torch.Tensor] | None = None
+    extra: Any = None
+    error: BaseException | None = None
+
+
+def deliver(outcomes: Sequence[Outcome], timeline: Timeline | None = None) -> None:
+    """Completes or fails the handles of ``outcomes``, after recording them in rank 0's
+    ``timeline``: the user may stop the timeline as soon as a handle is released."""
+    if timeline is not None and timeline.active:
+        for outcome in outcomes:
+            meta = outcome.request.meta
+            timeline.done(meta.name, {"dtype": meta.dtype, "shape": str(list(meta.shapes))})
+    # Last first: a thread waiting for the first handle of a batch (synchronize in
+    # submission order) wakes once, when the whole batch is done.
+    for request, result, extra, error in reversed(outcomes):
+        if error is not None:
+            request.handle.fail(error)
+        else:
+            request.handle.complete(result, extra)
 
 
 def keep_named(exc: BaseException, otherwise: HorovodInternalError) -> HorovodInternalError:

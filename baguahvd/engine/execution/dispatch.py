@@ -43,10 +43,16 @@ from baguahvd.backends.base import Communicator, DeviceCommFactory, SelfCommunic
 from baguahvd.common.exceptions import HorovodInternalError, MismatchError
 from baguahvd.engine.buffers import ByteCount, FusionBuffers, FusionPool
 from baguahvd.engine.execution import execute
-from baguahvd.engine.execution.completion import CollectiveFailure, Completions, keep_named
+from baguahvd.engine.execution.completion import (
+    CollectiveFailure,
+    Completions,
+    Outcome,
+    deliver,
+    keep_named,
+)
 from baguahvd.engine.messages import OpType, build_response
 from baguahvd.engine.process_sets import ProcessSetRegistry, ProcessSetState
-from baguahvd.engine.requests import Entry, Outcome, Request, deliver
+from baguahvd.engine.requests import Entry, Request
 from baguahvd.engine.timeline import Timeline, transport_activity
 
 logger = logging.getLogger("baguahvd.engine")
@@ -182,8 +188,8 @@ class Dispatcher:
         with ordered(device, marks, name) as launched:
             run = _Run(buffers, split=True)
             outcomes = self.execute(unit, comm, run)
-            # Made on the communicator's stream for the submitters (see ordered).
-            launched.produced.extend(_made(unit, outcomes))
+            if unit[0][0].op != OpType.ALLREDUCE:  # made for the submitters (see ordered)
+                launched.produced.extend(t for outcome in outcomes for t in outcome.result or ())
         rest = run.rest
         then: Callable[[], object] | None = None
         if rest is None:
@@ -382,14 +388,6 @@ class Dispatcher:
         if self.registry is None:
             raise HorovodInternalError("this dispatcher cannot change process sets")
         return self.registry
-
-
-def _made(unit: list[Entry], outcomes: list[Outcome]) -> list[torch.Tensor]:
-    """The results of a unit other than an allreduce's (which writes the users' outputs):
-    tensors it made for the submitters."""
-    if unit[0][0].op == OpType.ALLREDUCE:
-        return []
-    return [tensor for outcome in outcomes for tensor in outcome.result or ()]
 
 
 def _without_grad(call: Callable[[], None], inference: bool) -> None:
