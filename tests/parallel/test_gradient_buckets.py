@@ -399,3 +399,26 @@ def test_cuda_no_bytes_through_fusion_buffers(monkeypatch: pytest.MonkeyPatch, r
     if hooked():
         assert copied[1:] == [0] * (STEPS - 1)
         assert_views_in_ready_order(model)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------
+# Errors name the parameters inside a bucket
+
+
+def test_a_mismatched_bucket_names_its_parameters(rank: int, size: int) -> None:
+    if size == 1:
+        pytest.skip("needs two ranks to disagree")
+    from baguahvd.common.exceptions import MismatchError
+    from baguahvd.common.ops import ReduceOp
+    from baguahvd.torch.buckets import GradientBuckets
+
+    # Rank 1's second parameter is larger: the bucket's shapes differ across ranks.
+    params = {"fc.weight": torch.zeros(3, requires_grad=True),
+              "fc.bias": torch.zeros(2 + rank, requires_grad=True)}
+    buckets = GradientBuckets([["fc.weight", "fc.bias"]], params, ReduceOp.SUM, (1.0, 1.0),
+                              hvd.Compression.none, hvd.global_process_set)
+    for p in params.values():
+        buckets.due(p)
+    with pytest.raises(MismatchError,
+                       match=r"DistributedOptimizer\.bucket\.0\[fc\.weight,fc\.bias\]"):
+        buckets.wait()
