@@ -305,6 +305,8 @@ def test_process_set(monkeypatch: pytest.MonkeyPatch, rank: int, size: int) -> N
 ], ids=["opt_out", "adasum", "own_compressor"])
 def test_reduced_one_by_one(monkeypatch: pytest.MonkeyPatch, rank: int,
                             options: dict[str, Any]) -> None:
+    if "op" in options and hvd.size() & (hvd.size() - 1):
+        pytest.skip("Adasum needs a power-of-two number of ranks")
     if options.get("compression") == "own":
         class Own(hvd.Compression.none):  # type: ignore[name-defined,misc]
             pass
