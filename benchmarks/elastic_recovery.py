@@ -1,17 +1,22 @@
-"""How long an elastic job takes to recover from a rank killed with SIGKILL.
+"""How long an elastic job takes to recover from a rank killed with SIGKILL: restarting
+every rank against recovering in place.
 
-Runs ``baguahvdrun --elastic -np 2`` on a small training loop (a 1.1M-parameter MLP,
-commits every 10 steps), kills rank 1 with SIGKILL after the fifth commit, and reports:
+Runs the same training loop (a 1.1M-parameter MLP, ``--commit-every`` steps between
+commits) as ``baguahvdrun --elastic -np 2`` (restart-based: mpirun's job ends and is
+launched again, resuming from the last commit in the folder) and as ``baguahvdrun --gloo
+--elastic -np 2`` (in-process: rank 0 keeps running, restores its last in-memory commit and
+meets the rank started in rank 1's place). Rank 1 is killed with SIGKILL ``--kill-delay``
+seconds after the fifth commit is on disk; rank 0 logs every completed step. Reported per
+run:
 
-* death → launch ended: until ``mpirun`` has ended the failed launch (the launcher's
-  "launch 1 failed" line);
-* death → training again: until the relaunched job has loaded the last commit, synced it
-  and finished its first step;
-* the steps redone (those since the last commit) and the commit cost on rank 0.
+* kill → next step: from the SIGKILL until rank 0 completes its first step after
+  recovering (the relaunched job's rank 0 for the restart-based path);
+* steps redone: the steps rank 0 had completed since the commit it recovered from;
+* commit: the median ``state.commit()`` time on rank 0.
 
 Run it from the repository root::
 
-    python benchmarks/elastic_recovery.py [--repeats 3]
+    python benchmarks/elastic_recovery.py [--repeats 3] [--mode both] [--results DIR]
 
 The job is started, and rank 1 found and killed, by ``tests/support/jobs.py``, the module
 the end-to-end tests launch their jobs with.
@@ -27,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 
 # Run as a script, this file has benchmarks/ on sys.path; the job launcher is imported from
@@ -56,24 +60,28 @@ optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01
                                      named_parameters=model.named_parameters())
 state = hvd.elastic.TorchState(model, optimizer, step=0)
 events = os.environ["EVENTS"]
+commit_every = int(os.environ["COMMIT_EVERY"])
 commit_seconds = []
+
+
+def attempt():
+    return (os.environ.get("BAGUAHVD_ELASTIC_RESTART", "0") + "."
+            + os.environ.get("BAGUAHVD_ELASTIC_ROUND", "0"))
 
 
 @hvd.elastic.run
 def train(state):
-    first = True
     while state.step < 400:
         x = torch.randn(64, 512)
         optimizer.zero_grad()
         model(x).pow(2).mean().backward()
         optimizer.step()
         state.step += 1
-        if first and hvd.rank() == 0:
+        if hvd.rank() == 0:
             with open(events, "a") as out:
-                out.write(json.dumps({"first_step": time.time(), "step": state.step,
-                                      "launch": os.environ["BAGUAHVD_ELASTIC_RESTART"]}) + "\\n")
-            first = False
-        if state.step % 10 == 0:
+                out.write(json.dumps({"time": time.time(), "step": state.step,
+                                      "attempt": attempt()}) + "\\n")
+        if state.step % commit_every == 0:
             start = time.perf_counter()
             state.commit()
             commit_seconds.append(time.perf_counter() - start)
@@ -87,37 +95,44 @@ if hvd.rank() == 0:
                   + "\\n")
 """
 
+MODES = {
+    "restart": (["--elastic"], "OMPI_COMM_WORLD_RANK"),
+    "in-process": (["--gloo", "--elastic"], "RANK"),
+}
+"""The launcher flags of each recovery path, and the variable that names a rank's process."""
 
-def measure(work: pathlib.Path) -> dict[str, float]:
+
+def measure(
+    work: pathlib.Path, mode: str, commit_every: int, kill_delay: float
+) -> dict[str, float]:
     script = work / "train.py"
     script.write_text(textwrap.dedent(_TRAIN))
     events = work / "events.jsonl"
     folder = work / "elastic"
-    args = ["--elastic", "-np", "2", "--checkpoint-dir", str(folder), sys.executable, str(script)]
-    failed_at: list[float] = []
-    with jobs.started_launcher(
-        args, work, {"EVENTS": str(events)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    ) as job:
-
-        def watch() -> None:
-            assert job.stderr is not None
-            for line in job.stderr:
-                if "launch 1 failed" in line:
-                    failed_at.append(time.time())
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        killed_at = jobs.kill_rank_after(job, 1, folder, "commit-5.*.pt", TIMEOUT_S)
+    flags, rank_variable = MODES[mode]
+    args = [*flags, "-np", "2", "--checkpoint-dir", str(folder), sys.executable, str(script)]
+    env = {"EVENTS": str(events), "COMMIT_EVERY": str(commit_every)}
+    with jobs.started_launcher(args, work, env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL) as job:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any(folder.glob("commit-5.*.pt")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(kill_delay)  # into the steps after the commit, which are then redone
+        killed_at = jobs.kill_rank_after(
+            job, 1, folder, "commit-5.*.pt", TIMEOUT_S, rank_variable=rank_variable
+        )
         if job.wait(timeout=TIMEOUT_S) != 0:
             raise RuntimeError(f"the elastic job failed with status {job.returncode}")
-        watcher.join(timeout=5)
     records = [json.loads(line) for line in events.read_text().splitlines()]
-    resumed = next(r for r in records if r.get("launch") == "1")
+    steps = [r for r in records if "step" in r]
+    before = [r for r in steps if r["time"] <= killed_at]
+    first_try = before[-1]["attempt"]
+    after = next(r for r in steps if r["time"] > killed_at and r["attempt"] != first_try)
     commit_ms = next(r["commit_ms"] for r in records if "commit_ms" in r)
     return {
-        "death_to_launch_end_s": failed_at[0] - killed_at if failed_at else float("nan"),
-        "death_to_training_s": resumed["first_step"] - killed_at,
-        "resumed_at_step": resumed["step"] - 1,
+        "kill_to_next_step_s": after["time"] - killed_at,
+        "steps_redone": before[-1]["step"] - (after["step"] - 1),
+        "resumed_at_step": after["step"] - 1,
         "commit_ms": commit_ms,
     }
 
@@ -125,17 +140,37 @@ def measure(work: pathlib.Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mode", choices=[*MODES, "both"], default="both")
+    parser.add_argument("--commit-every", type=int, default=10)
+    parser.add_argument("--kill-delay", type=float, default=0.2,
+                        help="seconds from the fifth commit on disk to the kill")
+    parser.add_argument("--results", type=pathlib.Path, default=None,
+                        help="folder for raw.json (every run's figures)")
     args = parser.parse_args()
-    results = []
+    modes = list(MODES) if args.mode == "both" else [args.mode]
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+    # Alternate the paths, so that a change in the machine's load hits both alike.
     for repeat in range(args.repeats):
-        with tempfile.TemporaryDirectory(prefix="elastic-bench-") as work:
-            results.append(measure(pathlib.Path(work)))
-        print(
-            f"run {repeat + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[-1].items()),
-            flush=True,
-        )
-    for key in results[0]:
-        print(f"median {key}: {statistics.median(r[key] for r in results):.2f}")
+        for mode in modes:
+            with tempfile.TemporaryDirectory(prefix="elastic-bench-") as work:
+                figures = measure(pathlib.Path(work), mode, args.commit_every, args.kill_delay)
+            results[mode].append(figures)
+            print(
+                f"{mode} run {repeat + 1}: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()),
+                flush=True,
+            )
+    for mode, runs in results.items():
+        for key in runs[0]:
+            print(f"{mode} median {key}: {statistics.median(r[key] for r in runs):.2f}")
+    if len(modes) == 2:
+        ratio = statistics.median(
+            r["kill_to_next_step_s"] for r in results["in-process"]
+        ) / statistics.median(r["kill_to_next_step_s"] for r in results["restart"])
+        print(f"in-process / restart, median kill to next step: {ratio:.2f}")
+    if args.results is not None:
+        args.results.mkdir(parents=True, exist_ok=True)
+        (args.results / "raw.json").write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
