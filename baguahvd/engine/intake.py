@@ -120,7 +120,7 @@ class RequestQueue:
         is done, whoever completed it, so nothing hands finished requests back here."""
         self._kept = 0
         """Names held after the last pruning of :attr:`_inflight`."""
-        self._deferred: dict[tuple[int, str], Request] = {}
+        self._retries: dict[tuple[int, str], Request] = {}
         """Requests waiting for a placeholder of their name to be done."""
         self._noname: dict[int, int] = {}
         self._last_arrival = 0.0
@@ -181,9 +181,9 @@ class RequestQueue:
             ident = request.ident
             holder = self._holder(ident)
             if holder is not None:
-                if not holder.meta.failure or ident in self._deferred or request.meta.failure:
+                if not holder.meta.failure or ident in self._retries or request.meta.failure:
                     raise DuplicateNameError(request.meta.name)
-                self._deferred[ident] = request
+                self._retries[ident] = request
                 return
             self._enqueue(request)
             queue = self._queue
@@ -199,7 +199,7 @@ class RequestQueue:
         if holder is None or not holder.handle.done():
             return holder
         del self._inflight[ident]
-        retry = self._deferred.pop(ident, None)
+        retry = self._retries.pop(ident, None)
         if retry is not None:
             self._enqueue(retry)
         return retry
@@ -225,25 +225,25 @@ class RequestQueue:
         """Queues the retries whose placeholder is done, and forgets the names of finished
         requests now and then (engine thread, after each cycle)."""
         with self.lock:
-            if self._deferred:
+            if self._retries:
                 queued = len(self._queue)
-                for ident in list(self._deferred):
+                for ident in list(self._retries):
                     self._holder(ident)
                 if len(self._queue) > queued:
                     self.wake.set()
             if len(self._inflight) > 2 * self._kept + 64:
                 self._inflight = {
                     ident: request for ident, request in self._inflight.items()
-                    if not request.handle.done() or ident in self._deferred
+                    if not request.handle.done() or ident in self._retries
                 }
                 self._kept = len(self._inflight)
 
     def drain(self) -> list[Request]:
         """Takes every queued request and forgets every name in flight (the engine stops)."""
         with self.lock:
-            queued, self._queue = [*self._queue, *self._deferred.values()], []
+            queued, self._queue = [*self._queue, *self._retries.values()], []
             self._inflight.clear()
-            self._deferred.clear()
+            self._retries.clear()
         return queued
 
     def wake_up(self) -> None:
