@@ -113,20 +113,14 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
     def _on_gradient(self, p: torch.Tensor) -> None:
         # The countdown reaches zero exactly when this gradient has been handed to an
         # allreduce (or to its group); it is reset only by synchronize().
+        buckets = self._live_buckets()
         recording = self._recording
         if recording is not None:
             recording.saw(p)
         if not self._count_pass(p):
             return
-        buckets = self._buckets
-        if buckets is not None:
-            if buckets.engine is not runtime.engine:
-                # An elastic reset: the layout's members are gone, so agree on a new one.
-                self._buckets = None
-                recording = self._recording = Recording()
-                recording.saw(p)
-            elif buckets.due(p):
-                return
+        if buckets is not None and buckets.due(p):
+            return
         if recording is not None:
             recording.due(p)
         group = self._group_of.get(p)
@@ -138,6 +132,15 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         if len(ready) == len(group):
             del self._group_ready[group]
             self._handles[group] = self._grouped_allreduce_async(group)
+
+    def _live_buckets(self) -> GradientBuckets | None:
+        """The buckets, unless their layout was agreed under an earlier engine: after an
+        elastic reset the members may have changed, so the next step records again."""
+        buckets = self._buckets
+        if buckets is not None and buckets.engine is not runtime.engine:
+            self._buckets = buckets = None
+            self._recording = Recording()
+        return buckets
 
     def _factors(self) -> tuple[float, float]:
         if self.op == ReduceOp.AVERAGE:
@@ -205,7 +208,7 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         launched: set[torch.Tensor] = set()
         for key in self._handles:
             launched.update(key if isinstance(key, tuple) else (key,))
-        buckets = self._buckets
+        buckets = self._live_buckets()
         if buckets is not None:
             launched.update(buckets.slots)
             buckets.force()
