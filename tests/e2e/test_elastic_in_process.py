@@ -101,7 +101,7 @@ def test_an_added_host_joins_the_running_job(tmp_path: pathlib.Path) -> None:
             "BAGUAHVD_ELASTIC_POLL_SECONDS": "0.1",
         },
     )
-    assert "round 1: a rank asked for a new round; 2 ranks kept, 1 started" in output, output
+    assert "round 1: the hosts changed; 2 ranks kept, 1 started" in output, output
     assert "[0]<stdout>:launch 0: rank 0 of 3 starts at step 6" in output, output
     assert "launch 2" not in output
     assert grown["sizes"] == [2] * 6 + [3] * 8, grown["sizes"]

@@ -120,7 +120,8 @@ def test_waiting_for_a_round_ends_with_a_named_error(
 
 
 # A stand-in rank: records (worker, round, rank) and, in round 0, worker 1 fails with
-# status 3 while the others wait for the next round; then every rank ends with status 0.
+# status 3 (with ASK, worker 0 asks for a round instead) while the others wait for the next
+# round; then every rank ends with status 0.
 _RANK = """
 import json, os, sys, time
 folder = os.environ["BAGUAHVD_ELASTIC_DIR"]
@@ -128,7 +129,7 @@ worker = os.environ["BAGUAHVD_ELASTIC_WORKER"]
 started = int(os.environ["BAGUAHVD_ELASTIC_ROUND"])
 with open(os.path.join(folder, "log"), "a") as log:
     log.write(f"{worker} {started} {os.environ['RANK']} {os.environ['WORLD_SIZE']}\\n")
-if started == 0 and worker == "1":
+if started == 0 and worker == "1" and not os.environ.get("ASK"):
     sys.exit(3)
 if started == 0 and worker == "0" and os.environ.get("ASK"):
     open(os.path.join(folder, "round-request.0.0.0"), "w").close()
@@ -183,12 +184,11 @@ def test_a_failure_past_max_restarts_ends_the_job(
     assert "giving up after 0 restarts" in capsys.readouterr().err
 
 
-def test_a_request_forms_a_round_of_the_same_ranks(
+def test_a_request_without_a_host_change_is_a_failure_and_keeps_every_rank(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Worker 1 fails only after worker 0 asked: the request is what forms round 1, or the
-    # failure is; either way no rank is left out and the job ends well.
     status = _run_pool(tmp_path, 2, ["--max-restarts", "1"], {"ASK": "1"})
     err = capsys.readouterr().err
     assert status == 0, err
-    assert "round 1:" in err
+    assert "round 1: a collective failed (restart 1 of 1); 2 ranks kept, 0 started" in err
+    assert _log(tmp_path) == [("0", "0", "0", "2"), ("1", "0", "1", "2")]

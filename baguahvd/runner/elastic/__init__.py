@@ -17,9 +17,12 @@ then for a while: relaunching on the same hosts is the normal way to recover her
 The launcher's own messages go to stderr with a ``baguahvdrun:`` prefix, like those of
 :mod:`baguahvd.runner.cli`.
 
+Under ``--gloo`` a launch is a pool of local ranks that recover in place instead, meeting
+in rounds (:mod:`.rounds`); a launch is relaunched only when all of its ranks are lost.
+
 Modules, each importing only those before it: :mod:`.settings` (the checked flags and the
 errors), :mod:`.discovery` (the discovery script and host changes), :mod:`.launcher` (the
-relaunch loop).
+relaunch loop), :mod:`.rounds` (in-process recovery of gloo jobs).
 """
 
 from baguahvd.runner.elastic.discovery import (

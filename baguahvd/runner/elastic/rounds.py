@@ -16,8 +16,10 @@ host changes, meeting in *rounds* (the protocol is
   a new TCP port for the round's store, writes the round file, and starts processes only
   for the slots no survivor fills. Survivors restore their last in-memory commit there;
   nothing restarts.
-* A failure counts against ``--max-restarts`` and every round after the first against
-  ``--reset-limit``, as relaunches do.
+* A failure (a rank that died, or a request while the host set is unchanged: a failed
+  collective) counts against ``--max-restarts``, and every round after the first against
+  ``--reset-limit``, as relaunches do; a request after a host change does not count as a
+  failure.
 * When every rank of the round has failed, the launch has failed: the relaunch loop of
   :class:`~baguahvd.runner.elastic.launcher.ElasticLauncher` starts a new launch, which
   resumes from the commits in the folder (the restart-based path of MPI jobs).
@@ -59,6 +61,7 @@ from baguahvd.runner.local_gloo import (
 )
 
 _POLL_S = 0.02
+_DEATH_GRACE_S = 0.2
 _STDERR_TAIL_LINES = 400
 
 
@@ -114,6 +117,7 @@ class _Pool:
         self._workers: dict[int, _Worker] = {}
         self._members: list[int] = []  # worker ids in rank order
         self._round = -1
+        self._formed_version = launcher._version  # the host set's version at the last round
         self._next_ident = 0
         self._lock = threading.Lock()
         self._copiers: list[threading.Thread] = []
@@ -140,23 +144,33 @@ class _Pool:
             if not lost and not requested:
                 self._stop_left_out()
                 continue
-            if lost:
-                what = ", ".join(
-                    f"rank {self._members.index(i)} (status {exit_status(codes[i] or 0)})"
-                    for i in lost
+            hosts_changed = launcher._version != self._formed_version
+            if requested and not lost and not hosts_changed:
+                # A rank whose collective failed may ask before its peer's death shows.
+                time.sleep(_DEATH_GRACE_S)
+                codes = {ident: self._workers[ident].process.poll() for ident in self._members}
+                lost = [ident for ident, code in codes.items() if code is not None]
+            if lost or not hosts_changed:
+                what = (
+                    ", ".join(
+                        f"rank {self._members.index(i)} (status {exit_status(codes[i] or 0)})"
+                        for i in lost
+                    )
+                    + " failed"
+                    if lost
+                    else "a collective failed"
                 )
                 if launcher._failures >= settings.max_restarts:
                     say(
-                        f"{what} failed; giving up after {launcher._failures} restarts "
+                        f"{what}; giving up after {launcher._failures} restarts "
                         f"(--max-restarts {settings.max_restarts})"
                     )
-                    return self._give_up(exit_status(codes[lost[0]] or 0)), self._report()
+                    status = exit_status(codes[lost[0]] or 0) if lost else 1
+                    return self._give_up(status), self._report()
                 launcher._failures += 1
-                reason = (
-                    f"{what} failed (restart {launcher._failures} of {settings.max_restarts})"
-                )
+                reason = f"{what} (restart {launcher._failures} of {settings.max_restarts})"
             else:
-                reason = "a rank asked for a new round"
+                reason = "the hosts changed"
             limit = settings.reset_limit
             resets = self._index + launcher._resets_in_place
             if limit is not None and resets >= limit:
@@ -185,6 +199,7 @@ class _Pool:
         started = list(range(self._next_ident, self._next_ident + size - len(kept)))
         self._next_ident += len(started)
         self._round += 1
+        self._formed_version = self._launcher._version
         self._members = kept + started
         port = free_port()
         record = {
