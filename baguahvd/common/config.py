@@ -212,7 +212,9 @@ class Config:
     algorithm: str | None = None
     """Default communication algorithm of DistributedOptimizer (BAGUAHVD_ALGORITHM)."""
     bucket_bytes: int = 10 * 1024 * 1024
-    """Bucket size of the Bagua algorithms in bytes (BAGUAHVD_BUCKET_SIZE; Bagua's 10 MiB)."""
+    """Bucket size of the Bagua algorithms in bytes (BAGUAHVD_BUCKET_SIZE; Bagua's 10 MiB),
+    and the most bytes of one of DistributedOptimizer's gradient buckets (which are also
+    held to the fusion threshold)."""
     gradient_buckets: bool = True
     """DistributedOptimizer's default path keeps gradients in flat buckets from its second
     step on, each allreduced in place as one request when its last gradient is ready, with

@@ -56,6 +56,18 @@ def bucket_name(index: int, names: Sequence[str]) -> str:
     return f"DistributedOptimizer.bucket.{index}[{','.join(names)}]"
 
 
+def bucket_threshold(fusion_threshold: int, bucket_bytes: int) -> int:
+    """Bytes per bucket: the fusion threshold, capped at ``bucket_bytes``
+    (BAGUAHVD_BUCKET_SIZE). A bucket is sent only once all of its gradients are ready, so
+    one bucket of the whole 128 MiB default threshold would start no communication until
+    the backward pass ends; smaller buckets let the first ones travel while backward still
+    runs, as the fusion buffer does with what each cycle finds ready. A threshold of 0
+    (fusion disabled) gives every parameter a bucket of its own."""
+    if fusion_threshold <= 0 or bucket_bytes <= 0:
+        return fusion_threshold
+    return min(fusion_threshold, bucket_bytes)
+
+
 def plan_buckets(
     order: Sequence[str],
     keys: Mapping[str, Hashable],

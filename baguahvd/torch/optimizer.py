@@ -27,6 +27,7 @@ from baguahvd.torch.buckets import (
     GradientBuckets,
     Recording,
     agree_layout,
+    bucket_threshold,
     layout_with_groups,
 )
 from baguahvd.torch.functions import broadcast_object
@@ -250,7 +251,10 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         gradients into their buckets."""
         self._recording = None
         names = self._parameter_names
-        threshold = runtime.require_engine().settings.fusion_threshold
+        threshold = bucket_threshold(
+            runtime.require_engine().settings.fusion_threshold,
+            runtime.config.bucket_bytes if runtime.config is not None else 0,
+        )
         order, threshold = agree_layout(
             recording, names, self._requires_update, threshold, self.process_set
         )

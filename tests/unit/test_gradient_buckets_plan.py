@@ -8,6 +8,7 @@ from baguahvd.torch.buckets import (
     GradientBucket,
     adopt,
     bucket_name,
+    bucket_threshold,
     can_bucket,
     layout_with_groups,
     plan_buckets,
@@ -64,3 +65,10 @@ def test_views_share_the_buffer_and_adopt_what_grad_holds() -> None:
     p.grad = None
     adopt(p, bucket.views[0])
     assert bucket.buffer[:6].tolist() == [0.0] * 6
+
+
+def test_buckets_are_held_to_the_bucket_size_below_the_fusion_threshold() -> None:
+    mib = 1 << 20
+    assert bucket_threshold(128 * mib, 10 * mib) == 10 * mib
+    assert bucket_threshold(4 * mib, 10 * mib) == 4 * mib
+    assert bucket_threshold(0, 10 * mib) == 0  # fusion disabled: one parameter per bucket
