@@ -92,9 +92,7 @@ class Engine:
         self._registry = ProcessSetRegistry(self.rank, self.size, control)
         self.process_sets = self._registry.states
         self._queue = RequestQueue(self.rank, config.check_call_sites)
-        self._lifecycle = Lifecycle(
-            self.rank, self.size, control, config.exit_timeout_s, self._fail_everything
-        )
+        self._lifecycle = Lifecycle(self.rank, self.size, control, config.exit_timeout_s)
         self._thread: threading.Thread | None = None
         self._watchdog: Watchdog | None = None
         self.timeline = (
@@ -181,7 +179,7 @@ class Engine:
         self._watchdog = Watchdog(
             self.rank, identities, lambda: self._loop.cycles, self._peer_lost,
             self.config.peer_timeout_s,
-            poll=self._lifecycle.check_alarm if self.control.threads_multiple else None,
+            poll=self._check_alarm if self.control.threads_multiple else None,
         )
         self._thread.start()
         self._watchdog.start()
@@ -212,6 +210,7 @@ class Engine:
         if self._watchdog is not None:
             self._watchdog.stop()
         lifecycle.stop(ShutDownError())
+        self._fail_pending()
         if self.timeline is not None:
             self.timeline.close()
         if self._loop.tuner is not None:
@@ -244,6 +243,12 @@ class Engine:
         error = PeerFailureError(rank, reason)
         logger.error("%s", error)
         self._lifecycle.lose_peer(rank, error)
+        self._fail_pending()
+
+    def _check_alarm(self) -> None:
+        """The watchdog's look for a peer's alarm (see Lifecycle.check_alarm)."""
+        if self._lifecycle.check_alarm():
+            self._fail_pending()
 
     def leave_job(self) -> None:
         """At interpreter exit, after a failure stopped the engine: see
@@ -383,5 +388,5 @@ class Engine:
             if self._watchdog is not None:
                 self._watchdog.stop()
 
-    def _fail_everything(self, error: BaseException) -> None:
-        self._loop.fail_everything(error)
+    def _fail_pending(self) -> None:
+        self._loop.fail_pending()

@@ -164,6 +164,7 @@ class EngineLoop:
             decision = negotiation.negotiate(notice)
             final = decision.notice or Notice(NoticeKind.SHUTDOWN, -1)
             lifecycle.stop(final.error(self.rank), abnormal=final.abnormal)
+            self.fail_pending()
             lifecycle.end_cycle()
             return False
         entries = negotiation.cached_work(agreed)
@@ -224,8 +225,8 @@ class EngineLoop:
     def _waiting(self) -> None:
         """Called while the engine thread waits for the other ranks in a negotiation: gives
         up once the engine has stopped (a peer's alarm, a lost peer), so the thread ends."""
-        if not self.control.threads_multiple:
-            self.lifecycle.check_alarm()
+        if not self.control.threads_multiple and self.lifecycle.check_alarm():
+            self.fail_pending()
         if self.lifecycle.error is not None:
             raise _Abandoned
 
@@ -240,8 +241,10 @@ class EngineLoop:
             # Mid-cycle (or stopped already), the peers may wait in an exchange this rank
             # will not finish: tell them with an alarm; shutdown() waits for it to go out.
             lifecycle.leave(error)
+            self.fail_pending()
         else:
             lifecycle.stop(error, abnormal=True)
+            self.fail_pending()
             # Between cycles every rank is at the same point of the protocol: announce the
             # failure in one more cycle, as an uncaught exception would.
             try:
@@ -269,6 +272,7 @@ class EngineLoop:
             if request is not None and not request.handle.done()
         ], self.timeline)
         lifecycle.stop(error, abnormal=True)
+        self.fail_pending()
         lifecycle.leave_mid_cycle(reason)
 
     def _forget_process_set(self, ident: int) -> None:
@@ -279,8 +283,13 @@ class EngineLoop:
             for request in self.negotiation.forget_process_set(ident)
         ], self.timeline)
 
-    def fail_everything(self, error: BaseException) -> None:
-        """Fails every request this rank still holds, wherever it is (the engine stopped)."""
+    def fail_pending(self) -> None:
+        """After a stop of the lifecycle: fails every request this rank still holds,
+        wherever it is, with the stop error (any thread; the engine calls it after every
+        stop, as the lifecycle calls nothing back)."""
+        error = self.lifecycle.error
+        if error is None:
+            return
         pending = [
             *self.queue.drain(), *self.negotiation.drain(), *self.executing,
             *self.dispatch.pending.requests(),

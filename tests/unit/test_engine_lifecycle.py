@@ -66,7 +66,7 @@ def test_an_abort_is_logged_with_the_transport_that_ends_the_job(
         def abort(self, code: int) -> None:
             codes.append(code)
 
-    lifecycle = Lifecycle(0, 2, Control(), 1.0, lambda error: None)  # type: ignore[arg-type]
+    lifecycle = Lifecycle(0, 2, Control(), 1.0)  # type: ignore[arg-type]
     with caplog.at_level(logging.ERROR, logger="baguahvd"):
         lifecycle.abort("rank 1 was lost")
     assert codes == [1]

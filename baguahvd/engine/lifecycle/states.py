@@ -33,7 +33,6 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 from baguahvd.backends.base import ControlPlane
 from baguahvd.common.exceptions import PeerFailureError
@@ -101,8 +100,9 @@ class Lifecycle:
         control: the control plane alarms and the exit barrier go through.
         exit_timeout_s: how long a departing rank waits for its peers
             (BAGUAHVD_EXIT_TIMEOUT_SECONDS).
-        on_stop: called with the stop error after every stop, outside the lock: fails the
-            pending requests.
+
+    It calls nothing above it: whoever stops it (or hears an alarm through it) then fails
+    the pending requests with :attr:`error`.
     """
 
     def __init__(
@@ -111,11 +111,9 @@ class Lifecycle:
         size: int,
         control: ControlPlane,
         exit_timeout_s: float,
-        on_stop: Callable[[BaseException], None],
     ) -> None:
         self.rank, self.size, self.control = rank, size, control
         self.exit_timeout_s = exit_timeout_s
-        self._on_stop = on_stop
         self._lock = threading.Lock()
         self.state = State.IDLE
         self.error: BaseException | None = None
@@ -220,18 +218,16 @@ class Lifecycle:
             self._apply(event)
             if self.error is None:
                 self.error = error
-            stopped = self.error
-        self._on_stop(stopped)
 
     # -- alarms -----------------------------------------------------------------------------
 
-    def check_alarm(self) -> None:
+    def check_alarm(self) -> bool:
         """Turns a peer's alarm (see :meth:`leave_mid_cycle`) into this rank's error and
-        acknowledges it. Called by the watchdog thread, or by the engine thread while it
-        waits."""
+        acknowledges it; returns whether there was one (the engine has stopped then).
+        Called by the watchdog thread, or by the engine thread while it waits."""
         alarm = self.control.poll_alarm()
         if alarm is None:
-            return
+            return False
         source, notice = alarm
         self.control.acknowledge(source)
         error = notice.error(self.rank)
@@ -239,10 +235,11 @@ class Lifecycle:
             # A survivor passes on that notice.rank is gone (see lose_peer).
             if self._lose_gone(notice.rank, error):
                 logger.error("%s (seen by rank %d)", error, source)
-            return
+            return True
         logger.error("%s", error)
         # This rank's engine thread may be blocked in a collective the sender never joins.
         self.lose_mpi(f"rank {source} left a collective unfinished", error)
+        return True
 
     def leave_mid_cycle(self, reason: str) -> None:
         """Tells the peers that this rank failed in the middle of a cycle (the engine is
