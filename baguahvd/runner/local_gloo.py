@@ -95,20 +95,23 @@ def shared_environment(args: argparse.Namespace, env: Mapping[str, str]) -> dict
     return base
 
 
-def rank_variables(rank: int, num_proc: int, port: int) -> dict[str, str]:
+def rank_variables(
+    rank: int, num_proc: int, port: int, local_rank: int | None = None
+) -> dict[str, str]:
     """The variables that make a process rank ``rank`` of ``num_proc`` meeting on the TCP
-    store at ``port``: torchrun's and Horovod's."""
+    store at ``port``: torchrun's and Horovod's. ``local_rank`` defaults to ``rank``."""
+    local = rank if local_rank is None else local_rank
     return dict(
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
+        LOCAL_RANK=str(local),
         WORLD_SIZE=str(num_proc),
         LOCAL_WORLD_SIZE=str(num_proc),
         MASTER_PORT=str(port),
-        **horovod_variables(rank, num_proc),
+        **horovod_variables(rank, num_proc, local),
     )
 
 
-def horovod_variables(rank: int, num_proc: int) -> dict[str, str]:
+def horovod_variables(rank: int, num_proc: int, local_rank: int | None = None) -> dict[str, str]:
     """The per-rank variables ``horovodrun --gloo`` gives a rank on a single host.
 
     Scripts (and Horovod's own tests) read them to learn their rank or that gloo runs the
@@ -119,7 +122,7 @@ def horovod_variables(rank: int, num_proc: int) -> dict[str, str]:
     return {
         "HOROVOD_RANK": str(rank),
         "HOROVOD_SIZE": str(num_proc),
-        "HOROVOD_LOCAL_RANK": str(rank),
+        "HOROVOD_LOCAL_RANK": str(rank if local_rank is None else local_rank),
         "HOROVOD_LOCAL_SIZE": str(num_proc),
         "HOROVOD_CROSS_RANK": "0",
         "HOROVOD_CROSS_SIZE": "1",

@@ -79,8 +79,10 @@ def test_the_store_host_rank_0_killed_recovers_in_place(
     assert "round 1: rank 0 (status 137) failed (restart 1 of 3); 2 ranks kept, 1 started" in (
         output
     ), output
-    # The former rank 1 is rank 0 of round 1 and the state's source.
+    # The former rank 1 is rank 0 of round 1 and the state's source; the new process is
+    # rank 2 with local rank 0 (tagged [0]), the lost process's local rank (its GPU).
     assert "[1]<stdout>:launch 0: rank 0 of 3 starts at step 8" in output, output
+    assert "[0]<stdout>:launch 0: rank 2 of 3 starts at step 8" in output, output
     assert_same_weights(reference3, killed)
 
 

@@ -128,7 +128,8 @@ folder = os.environ["BAGUAHVD_ELASTIC_DIR"]
 worker = os.environ["BAGUAHVD_ELASTIC_WORKER"]
 started = int(os.environ["BAGUAHVD_ELASTIC_ROUND"])
 with open(os.path.join(folder, "log"), "a") as log:
-    log.write(f"{worker} {started} {os.environ['RANK']} {os.environ['WORLD_SIZE']}\\n")
+    log.write(f"{worker} {started} {os.environ['RANK']} {os.environ['WORLD_SIZE']} "
+              f"{os.environ['LOCAL_RANK']}\\n")
 if started == 0 and worker == "1" and not os.environ.get("ASK"):
     sys.exit(3)
 if started == 0 and worker == "0" and os.environ.get("ASK"):
@@ -166,13 +167,17 @@ def test_a_failed_rank_is_replaced_and_the_survivors_stay(
     err = capsys.readouterr().err
     assert status == 0, err
     assert "round 1: rank 1 (status 3) failed (restart 1 of 1); 2 ranks kept, 1 started" in err
-    # Workers 0 and 2 keep running (ranks 0 and 1 of round 1); worker 3 takes rank 2.
+    # Workers 0 and 2 keep running (ranks 0 and 1 of round 1) and their local ranks (their
+    # GPUs); worker 3 takes rank 2 and the lost worker's local rank, 1.
     assert _log(tmp_path) == [
-        ("0", "0", "0", "3"), ("1", "0", "1", "3"), ("2", "0", "2", "3"), ("3", "1", "2", "3"),
+        ("0", "0", "0", "3", "0"), ("1", "0", "1", "3", "1"), ("2", "0", "2", "3", "2"),
+        ("3", "1", "2", "3", "1"),
     ]
     record = json.loads((tmp_path / protocol.ROUND_FILE).read_text())
     assert record["round"] == 1 and sorted(record["workers"]) == ["0", "2", "3"]
     assert record["workers"]["2"]["RANK"] == "1"
+    assert record["workers"]["2"]["LOCAL_RANK"] == "2"
+    assert record["workers"]["2"]["HOROVOD_LOCAL_RANK"] == "2"
     assert not list(tmp_path.glob(f"{protocol.ROUND_REQUEST_PREFIX}*"))
 
 
@@ -191,4 +196,4 @@ def test_a_request_without_a_host_change_is_a_failure_and_keeps_every_rank(
     err = capsys.readouterr().err
     assert status == 0, err
     assert "round 1: a collective failed (restart 1 of 1); 2 ranks kept, 0 started" in err
-    assert _log(tmp_path) == [("0", "0", "0", "2"), ("1", "0", "1", "2")]
+    assert _log(tmp_path) == [("0", "0", "0", "2", "0"), ("1", "0", "1", "2", "1")]

@@ -12,7 +12,9 @@ host changes, meeting in *rounds* (the protocol is
   or asks for a new round (a rank whose collective failed, or that saw a host change at a
   commit), the launcher forms the next round at once: it reads the hosts, keeps the
   surviving workers in their rank order (rank 0 of the new round is a survivor and holds
-  the state every rank syncs from), leaves the surplus out when slots were removed, picks
+  the state every rank syncs from) and, where it can, their local ranks (a process keeps
+  the GPU it chose by local rank; a new one gets the lost one's local rank, so its GPU),
+  leaves the surplus out when slots were removed, picks
   a new TCP port for the round's store, writes the round file, and starts processes only
   for the slots no survivor fills. Survivors restore their last in-memory commit there;
   nothing restarts.
@@ -116,6 +118,7 @@ class _Pool:
         self._timestamp = bool(args.prefix_output_with_timestamp)
         self._workers: dict[int, _Worker] = {}
         self._members: list[int] = []  # worker ids in rank order
+        self._slots: dict[int, int] = {}  # worker id -> local rank
         self._round = -1
         self._formed_version = launcher._version  # the host set's version at the last round
         self._next_ident = 0
@@ -201,14 +204,19 @@ class _Pool:
         self._round += 1
         self._formed_version = self._launcher._version
         self._members = kept + started
+        self._assign_slots(kept, started, size)
         port = free_port()
+        variables = {
+            ident: {
+                **rank_variables(rank, size, port, self._slots[ident]),
+                **self._versions(),
+            }
+            for rank, ident in enumerate(self._members)
+        }
         record = {
             "launch": self._index,
             "round": self._round,
-            "workers": {
-                str(ident): {**rank_variables(rank, size, port), **self._versions()}
-                for rank, ident in enumerate(self._members)
-            },
+            "workers": {str(ident): values for ident, values in variables.items()},
         }
         self._write_round(record)
         self._clear_requests()
@@ -218,13 +226,25 @@ class _Pool:
                 f"started, on {format_hosts(hosts)} ({size} ranks)"
             )
         for ident in started:
-            self._start(ident, self._members.index(ident), size, port)
+            self._start(ident, variables[ident])
+
+    def _assign_slots(self, kept: list[int], started: list[int], size: int) -> None:
+        """Gives every member a local rank below ``size``: a survivor keeps its own where
+        it can (a process keeps the GPU it chose by local rank at its start), and a new
+        process takes a freed one, the lost process's GPU."""
+        taken = {self._slots[i] for i in kept if self._slots[i] < size}
+        free = [slot for slot in range(size) if slot not in taken]
+        for ident in kept:
+            if self._slots[ident] >= size:
+                self._slots[ident] = free.pop(0)
+        for ident in started:
+            self._slots[ident] = free.pop(0)
 
     def _versions(self) -> dict[str, str]:
         return {"BAGUAHVD_ELASTIC_HOSTS_VERSION": str(self._launcher._version)}
 
-    def _start(self, ident: int, rank: int, size: int, port: int) -> None:
-        env = dict(self._shared, **rank_variables(rank, size, port), **self._versions())
+    def _start(self, ident: int, variables: dict[str, str]) -> None:
+        env = dict(self._shared, **variables)
         env[WORKER_ENV] = str(ident)
         env[ROUND_ENV] = str(self._round)
         pipe = subprocess.PIPE if self._tag else None
@@ -242,7 +262,7 @@ class _Pool:
         assert process.stderr is not None
         streams.append((process.stderr, sys.stderr.buffer, "stderr"))
         for source, target, name in streams:
-            prefix = f"[{rank}]<{name}>:".encode() if self._tag else b""
+            prefix = f"[{self._slots[ident]}]<{name}>:".encode() if self._tag else b""
             copier = threading.Thread(
                 target=self._copy, args=(source, target, prefix, name == "stderr"), daemon=True
             )
