@@ -111,6 +111,9 @@ class Engine:
             config, control, self.process_sets, self._queue, self._lifecycle, self._dispatch,
             self.timeline, clock,
         )
+        self.settings_changes = self._loop.settings_changes
+        """Autotune: (cycle, settings) of every change, the cycle being the last one run
+        under the previous settings; the same on every rank (the engine thread appends)."""
         self._activity = ThreadActivity()
 
     @contextlib.contextmanager
@@ -141,6 +144,7 @@ class Engine:
 
     @property
     def running(self) -> bool:
+        """Whether collectives are still accepted: the engine has not stopped."""
         return self._lifecycle.running
 
     @property
@@ -375,11 +379,6 @@ class Engine:
     def settings(self) -> Settings:
         """The fusion threshold and cycle time in use (autotune changes them)."""
         return self._loop.settings
-
-    @property
-    def settings_changes(self) -> list[tuple[int, Settings]]:
-        """Autotune: (cycle, settings) of every change, the same on every rank."""
-        return self._loop.settings_changes
 
     def _run(self) -> None:
         try:
