@@ -283,6 +283,17 @@ class StreamModel:
                 "synchronizing with it"
             )
 
+    def settled_for(self, tensor: torch.Tensor, stream: ModelStream) -> bool:
+        """Whether every access made so far to ``tensor``'s memory is ordered before the
+        work ``stream`` queues next, which may then overwrite it."""
+        buffer = self.buffer(tensor)
+        clock = dict(stream.clock)
+        _merge(clock, self.host)  # what the host waited for comes before its next launch
+        return all(
+            self._ordered(access, clock)
+            for access in [buffer.writer, *buffer.readers] if access is not None
+        )
+
     def record_stream(self, tensor: torch.Tensor, stream: ModelStream) -> None:
         self.buffer(tensor).recorded.add(stream.ident)
 

@@ -82,6 +82,24 @@ def test_a_write_while_another_stream_reads_is_caught(model: StreamModel) -> Non
             tensor.add_(1)
 
 
+def test_memory_is_settled_for_a_stream_once_an_event_orders_every_use(
+    model: StreamModel,
+) -> None:
+    reader = model.stream("reader")
+    with model.active():
+        tensor = torch.ones(4, device=CUDA)
+        written = ModelEvent()
+        model.record(written, model.default)
+        model.wait(reader, written)
+        with model.use(reader):
+            tensor.sum()
+        assert not model.settled_for(tensor, model.default)
+        read = ModelEvent()
+        model.record(read, reader)
+        model.wait(model.default, read)
+        assert model.settled_for(tensor, model.default)
+
+
 def test_the_host_must_synchronize_before_reading(model: StreamModel) -> None:
     with model.active():
         tensor = torch.ones(4, device=CUDA)
@@ -217,6 +235,7 @@ def test_a_later_kernel_on_the_users_stream_may_overwrite_the_inputs(
     rank.run(model, [(response(OpType.ALLREDUCE, ((3,), (4,))), request)])
     with model.active(), model.use(user):
         request.handle.wait()
+        assert all(model.settled_for(tensor, user) for tensor in inputs)
         for tensor in inputs:
             tensor.zero_()  # the next backward pass
 
@@ -266,8 +285,10 @@ def test_outputs_made_on_the_nccl_stream_are_recorded_for_the_users_stream(
     with model.active(), model.use(user):
         (output,) = request.handle.wait() or []
         output.sum()
-    # The user drops the output; the allocator hands its block to the NCCL stream again.
     nccl_stream = model.streams[rank.nccl._stream.ptr]
+    assert model.buffer(output).stream == nccl_stream.ident
+    assert user.ident in model.buffer(output).recorded
+    # The user drops the output; the allocator hands its block to the NCCL stream again.
     model.allocate(output, nccl_stream, model._step(nccl_stream), GPU)
 
 

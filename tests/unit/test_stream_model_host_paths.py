@@ -63,8 +63,9 @@ def test_a_host_staged_unit_waits_for_the_producer_and_for_its_own_copies(
     on_thread(model, lambda: dispatcher.run_unit([(_response(((4,),)), request)]))
     with model.active():
         request.handle.wait()
+        assert model.settled_for(outputs[0], model.default)
         model.host_read(outputs[0])
-        outputs[0].sum()  # on the default stream, not the producer's
+        assert float(outputs[0].sum()) == 12.0  # on the default stream, not the producer's
 
 
 def test_a_single_member_sets_cuda_result_is_ready_after_the_wait(model: StreamModel) -> None:
@@ -78,7 +79,9 @@ def test_a_single_member_sets_cuda_result_is_ready_after_the_wait(model: StreamM
         dispatcher.run_alone(request, state)
     with model.active():
         request.handle.wait()
+        assert model.settled_for(outputs[0], model.default)
         model.host_read(outputs[0])
+        assert float(outputs[0].sum()) == 12.0
 
 
 def test_without_cupy_a_single_member_set_waits_on_a_torch_event(
