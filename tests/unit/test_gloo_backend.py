@@ -231,3 +231,22 @@ def test_a_failed_collective_leaves_the_engine_time_to_name_the_peer(
         communicator.poll(_FailedWork(), lambda: None)
     with pytest.raises(RuntimeError, match="Connection closed"):
         communicator.poll(_FailedWork(), None)
+
+
+class _GoneStore:
+    """A store whose host is gone: every call fails as torch's TCPStore then fails."""
+
+    def add(self, key: str, amount: int) -> int:
+        raise dist.DistNetworkError("Broken pipe")
+
+
+def test_an_alarm_through_a_gone_store_is_reported_not_raised(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A survivor of the store's host must still fail its own collectives after the alarm.
+    def body(control: GlooControlPlane) -> Any:
+        control._store = _GoneStore()
+        control.raise_alarm({"why": "rank 0 is gone"}, [1])
+
+    run_ranks(1, body)
+    assert "cannot raise the alarm for ranks [1]" in caplog.text

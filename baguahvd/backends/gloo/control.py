@@ -136,12 +136,20 @@ class GlooControlPlane(ControlPlane):
             time.sleep(0.01)
 
     def raise_alarm(self, payload: Any, ranks: Sequence[int]) -> None:
-        """Writes ``payload`` into the next alarm slot of each of ``ranks``."""
+        """Writes ``payload`` into the next alarm slot of each of ``ranks``. When the store
+        no longer answers (its host, rank 0, is gone), says so and returns: the caller must
+        still fail its own collectives, and the other ranks find the lost peer themselves."""
         message = pickle.dumps((self.rank, payload), protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
-            for rank in ranks:
-                slot = self._store.add(f"alarm/{rank}/slots", 1) - 1
-                self._store.set(f"alarm/{rank}/{slot}", message)
+            try:
+                for rank in ranks:
+                    slot = self._store.add(f"alarm/{rank}/slots", 1) - 1
+                    self._store.set(f"alarm/{rank}/{slot}", message)
+            except RuntimeError as error:  # torch's DistNetworkError and DistStoreError
+                logger.warning(
+                    "cannot raise the alarm for ranks %s: the job's store does not answer (%s)",
+                    list(ranks), str(error).splitlines()[0],
+                )
 
     def poll_alarm(self) -> tuple[int, Any] | None:
         """The next alarm sent to this rank, as ``(sending rank, payload)``; never blocks.
