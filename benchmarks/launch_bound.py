@@ -140,7 +140,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", help="write the results here (rank 0)")
+    parser.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"),
+                        help="only draw the step times of an earlier run's JSON")
     args = parser.parse_args()
+    if args.plot:
+        plot(*args.plot)
+        return
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     systems = list(args.systems)
@@ -163,7 +168,7 @@ def main() -> None:
                     gc.collect()
                     everyone = comm.gather(mine, root=0)
                     if rank == 0:
-                        per_system[system].extend(everyone)
+                        per_system[system].extend(everyone or [])
             if rank != 0:
                 continue
             row: dict[str, Any] = {"grads": count, "kib": kib, "systems": {}}
@@ -182,6 +187,39 @@ def main() -> None:
         with open(args.json, "w") as out:
             json.dump({"ranks": comm.Get_size(), "warmup": args.warmup, "steps": args.steps,
                        "repeats": args.repeats, "rows": results}, out, indent=1)
+
+
+def plot(source: str, target: str) -> None:
+    """Step time over local step time against the number of gradients, one panel per
+    gradient size, one line per system (matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(source) as handle:
+        rows = json.load(handle)["rows"]
+    sizes = sorted({row["kib"] for row in rows})
+    figure, axes = plt.subplots(1, len(sizes), figsize=(4 * len(sizes), 3.4), sharey=True)
+    for axis, kib in zip(axes if len(sizes) > 1 else [axes], sizes):
+        chosen = sorted((r for r in rows if r["kib"] == kib), key=lambda r: r["grads"])
+        for system in chosen[0]["systems"]:
+            if system == "local":
+                continue
+            ratios = [r["systems"][system]["step_ms"] / r["systems"]["local"]["step_ms"]
+                      for r in chosen]
+            label = system.replace("@BAGUAHVD_GRADIENT_BUCKETS=0", " (per gradient)")
+            axis.plot([r["grads"] for r in chosen], ratios, marker="o", label=label)
+        axis.set_title(f"{kib} KiB gradients")
+        axis.set_xlabel("gradients")
+        axis.set_xscale("log")
+        axis.minorticks_off()
+        axis.set_xticks([r["grads"] for r in chosen], [str(r["grads"]) for r in chosen])
+        axis.grid(alpha=0.3)
+    (axes[0] if len(sizes) > 1 else axes).set_ylabel("step time / step without communication")
+    (axes[-1] if len(sizes) > 1 else axes).legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(target, dpi=110)
 
 
 def _line(row: dict[str, Any]) -> str:
