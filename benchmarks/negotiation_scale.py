@@ -167,8 +167,9 @@ def measure(size: int, requests: int, steps: int, cached: bool) -> dict[str, Any
             size, cache_capacity=1024 if cached else 0, cycle_time_ms=CYCLE_TIME_MS
         )
     finally:
-        (world_module.World, world_module.MemoryControlPlane,
-         world_module.MemoryCommunicator) = original  # type: ignore[misc]
+        world_module.World = original[0]  # type: ignore[misc]
+        world_module.MemoryControlPlane = original[1]  # type: ignore[misc]
+        world_module.MemoryCommunicator = original[2]  # type: ignore[misc]
     tensors = [[torch.ones(1) for _ in range(requests)] for _ in range(size)]
 
     def step(rank: int, engine: Any) -> None:
@@ -213,6 +214,36 @@ def measure(size: int, requests: int, steps: int, cached: bool) -> dict[str, Any
     }
 
 
+def coordinator_alone(size: int, requests: int, repeats: int = 5) -> float:
+    """Rank 0's work on a cycle of misses without the threads: unpickling ``size`` reports
+    of ``requests`` allreduces each, matching them and pickling the decision (median
+    thread CPU seconds). No other thread competes, so it also runs at 1,024 and 4,096."""
+    from baguahvd.engine.messages import RequestMeta
+    from baguahvd.engine.negotiation.coordinator import Coordinator
+    from baguahvd.engine.negotiation.stall import StallInspector
+    from baguahvd.engine.notices import RankReport
+    from baguahvd.engine.process_sets import ProcessSetState
+
+    sets = {0: ProcessSetState(0, tuple(range(size)), comm=None)}
+    reports = [
+        pickle.dumps(RankReport(
+            [RequestMeta(key=f"allreduce.grad.{i}", name=f"allreduce.grad.{i}",
+                         op=OpType.ALLREDUCE, process_set_id=0, rank=rank, dtype="float32",
+                         shapes=((1,),)) for i in range(requests)],
+            [0.0] * requests,
+        ))
+        for rank in range(size)
+    ]
+    times = []
+    for _ in range(repeats):
+        start = time.thread_time()
+        coordinator = Coordinator(StallInspector(60.0, 0.0, False), None)
+        decision = coordinator.decide([pickle.loads(r) for r in reports], sets, size)
+        pickle.dumps(decision)
+        times.append(time.thread_time() - start)
+    return statistics.median(times)
+
+
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least squares ``a + b * ranks``."""
     xs = np.array([p[0] for p in points], dtype=float)
@@ -249,6 +280,12 @@ def main() -> None:
                   f"cycles/step, reports {row['report_bytes']:.0f} B/step, decisions "
                   f"{row['decision_bytes']:.0f} B/step, wall {row['wall_s_per_step']:.2f} s/step",
                   flush=True)
+    alone = []
+    for size in sorted({*args.ranks, *args.predict}):
+        seconds = coordinator_alone(size, args.requests)
+        alone.append({"ranks": size, "coordinator_s": seconds})
+        print(f"coordinator alone, misses, {size:5d} ranks: {1e3 * seconds:8.3f} ms/cycle",
+              flush=True)
     predictions = []
     for cached in (True, False):
         series = [r for r in rows if r["cached"] == cached]
@@ -267,7 +304,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"requests": args.requests, "steps": args.steps, "rows": rows,
-                       "predictions": predictions, "latency_s": LATENCY_S}, out, indent=1)
+                       "coordinator_alone": alone, "predictions": predictions,
+                       "latency_s": LATENCY_S}, out, indent=1)
 
 
 if __name__ == "__main__":
