@@ -34,7 +34,12 @@ def worker_env(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> Itera
     monkeypatch.setenv(protocol.ROUND_ENV, "0")
     monkeypatch.setenv(protocol.ROUND_TIMEOUT_ENV, "5")
     monkeypatch.setenv("RANK", "2")
+    # A round writes the launcher's variables (WORLD_SIZE, LOCAL_RANK, ...) into
+    # os.environ: none of them may reach the tests that run after this one.
+    saved = dict(os.environ)
     yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 class _Framework:
