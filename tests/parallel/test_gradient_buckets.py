@@ -320,20 +320,29 @@ def test_reduced_one_by_one(monkeypatch: pytest.MonkeyPatch, rank: int,
 # No copies
 
 
-def test_no_bytes_through_fusion_buffers(monkeypatch: pytest.MonkeyPatch, rank: int,
-                                         size: int) -> None:
+def fusion_bytes_per_step(
+    monkeypatch: pytest.MonkeyPatch, model: nn.Module, loss: Any, rank: int
+) -> list[int]:
+    """Trains ``model`` with buckets for STEPS steps; the bytes the engine copied through
+    fusion buffers in each."""
     use_buckets(monkeypatch, True)
     engine = runtime.require_engine()
-    model = Many(layers=40)
     optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
                                          named_parameters=model.named_parameters())
     copied = []
     for step in range(STEPS):
         before = engine.fusion_bytes
         optimizer.zero_grad()
-        many_loss(model, rank, step).backward()
+        loss(model, rank, step).backward()
         optimizer.step()
         copied.append(engine.fusion_bytes - before)
+    return copied
+
+
+def test_no_bytes_through_fusion_buffers(monkeypatch: pytest.MonkeyPatch, rank: int,
+                                         size: int) -> None:
+    model = Many(layers=40)
+    copied = fusion_bytes_per_step(monkeypatch, model, many_loss, rank)
     if hooked():
         assert copied[1:] == [0] * (STEPS - 1)
         assert_views_in_ready_order(model)
@@ -386,18 +395,8 @@ def test_cuda_same_as_per_tensor(monkeypatch: pytest.MonkeyPatch, rank: int, siz
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_no_bytes_through_fusion_buffers(monkeypatch: pytest.MonkeyPatch, rank: int,
                                               size: int) -> None:
-    use_buckets(monkeypatch, True)
-    engine = runtime.require_engine()
     model = cuda_many()
-    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
-                                         named_parameters=model.named_parameters())
-    copied = []
-    for step in range(STEPS):
-        before = engine.fusion_bytes
-        optimizer.zero_grad()
-        cuda_many_loss(model, rank, step).backward()
-        optimizer.step()
-        copied.append(engine.fusion_bytes - before)
+    copied = fusion_bytes_per_step(monkeypatch, model, cuda_many_loss, rank)
     if hooked():
         assert copied[1:] == [0] * (STEPS - 1)
         assert_views_in_ready_order(model)  # type: ignore[arg-type]
