@@ -18,6 +18,7 @@ from baguahvd.backends.nccl import NCCLCommunicator
 from baguahvd.runtime import runtime
 from baguahvd.torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
 from baguahvd.torch.algorithms.optimizer import make_algorithm_optimizer
+from tests.support.gpus import rank_gpu
 
 DIM = 16
 OFFSET = 1.0
@@ -65,25 +66,13 @@ def _gathered(model: _Vector, name: str) -> torch.Tensor:
     return hvd.allgather(model.w.detach().clone()[None], name=name)
 
 
-def _gpu() -> torch.device:
-    """This rank's GPU (local_rank), as Horovod's scripts pin it; skips without one."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if not hvd.nccl_built():
-        pytest.skip("needs CuPy with NCCL (pip install baguahvd[cuda12])")
-    if torch.cuda.device_count() < hvd.local_size():
-        pytest.skip(f"needs {hvd.local_size()} GPUs on this node")
-    torch.cuda.set_device(hvd.local_rank())
-    return torch.device("cuda", hvd.local_rank())
-
-
 def test_warmup_averages_gradients_then_async_pulls_models_together(rank: int, size: int):
     _warmup_then_async(rank, size, None)
 
 
 @pytest.mark.cuda
 def test_cuda_weights_are_averaged_over_nccl(rank: int, size: int):
-    _warmup_then_async(rank, size, _gpu())
+    _warmup_then_async(rank, size, rank_gpu())
 
 
 def _warmup_then_async(rank: int, size: int, device: torch.device | None) -> None:

@@ -16,6 +16,7 @@ import torch
 import baguahvd.torch as hvd
 from baguahvd.common.exceptions import MismatchError
 from baguahvd.common.ops import ReduceOp
+from tests.support.gpus import rank_gpu
 from tests.support.tables import MOVABLE, REDUCE_OPS, REDUCIBLE
 
 pytestmark = [
@@ -26,12 +27,7 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def device() -> torch.device:
-    if not hvd.nccl_built():
-        pytest.skip("needs CuPy with NCCL (pip install baguahvd[cuda12])")
-    if torch.cuda.device_count() < hvd.local_size():
-        pytest.skip(f"needs {hvd.local_size()} GPUs on this node")
-    torch.cuda.set_device(hvd.local_rank())
-    return torch.device("cuda", hvd.local_rank())
+    return rank_gpu()
 
 
 def ramp(rank: int, count: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch import nn
 
 import baguahvd.torch as hvd
 from baguahvd.runtime.state import runtime
+from tests.support.gpus import rank_gpu
 
 STEPS = 4
 ROWS = 4
@@ -361,22 +362,13 @@ def assert_views_in_ready_order(model: Many) -> None:
 # CUDA buckets (each rank drives GPU local_rank)
 
 
-def cuda_device() -> torch.device:
-    if not hvd.nccl_built():
-        pytest.skip("needs CuPy with NCCL (pip install baguahvd[cuda12])")
-    if torch.cuda.device_count() < hvd.local_size():
-        pytest.skip(f"needs {hvd.local_size()} GPUs on this node")
-    torch.cuda.set_device(hvd.local_rank())
-    return torch.device("cuda", hvd.local_rank())
-
-
 def cuda_many() -> nn.Module:
-    return Many(layers=40).to(cuda_device())
+    return Many(layers=40).to(rank_gpu())
 
 
 def cuda_many_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(100 * step + rank)
-    x = torch.randn(ROWS, 6, generator=generator).to(cuda_device())
+    x = torch.randn(ROWS, 6, generator=generator).to(rank_gpu())
     return (model(x, step) ** 2).mean()
 
 
