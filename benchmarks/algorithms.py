@@ -319,7 +319,7 @@ def run_one(spec: str, hvd: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def data_plane() -> str:
     """What baguahvd's CPU collectives run on now: ``mpi`` or ``gloo``."""
-    from baguahvd.runtime.state import runtime
+    from baguahvd.runtime.runtime import runtime
 
     transport = runtime.transport
     return "mpi" if transport is None or transport.value == "mpi" else "gloo"

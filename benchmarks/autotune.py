@@ -24,7 +24,7 @@ import time
 import torch
 
 import baguahvd.torch as hvd
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 
 THRESHOLDS_MIB = (0, 1, 4, 16, 64, 128)
 

@@ -20,7 +20,7 @@ import time
 import torch
 
 import baguahvd.torch as hvd
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 
 SIZES = (16 << 10, 1 << 20, 16 << 20, 64 << 20)
 

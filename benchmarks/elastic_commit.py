@@ -62,7 +62,7 @@ import time
 import torch
 
 import baguahvd.torch as hvd
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 
 STEPS, ROUNDS = int(os.environ["STEPS"]), int(os.environ["ROUNDS"])
 IDLE_S = float(os.environ["IDLE_MS"]) / 1000

@@ -32,7 +32,7 @@ from mpi4py import MPI
 from torch import nn
 
 import baguahvd.torch as hvd
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 
 
 def _size(text: str) -> int:

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from algorithms import MODEL_DIMS, build_model  # noqa: E402
 
 import baguahvd.torch as hvd  # noqa: E402
-from baguahvd.runtime.state import runtime  # noqa: E402
+from baguahvd.runtime.runtime import runtime  # noqa: E402
 
 
 def thread_cpu_s() -> dict[str, float]:

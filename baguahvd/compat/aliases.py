@@ -35,7 +35,7 @@ _ALIASED_PREFIXES = (
 )
 _ALIASED_PACKAGES = {"horovod.common": "baguahvd.common"}
 _MOVED_MODULES = {
-    "horovod.common.basics": "baguahvd.runtime.state",
+    "horovod.common.basics": "baguahvd.runtime.runtime",
     "horovod.common.elastic": "baguahvd.torch.elastic.base",
     "horovod.common.process_sets": "baguahvd.runtime.process_sets",
     "horovod.common.util": "baguahvd.compat.common_util",

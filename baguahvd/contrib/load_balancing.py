@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.elastic import ElasticSampler
 
 Segment = tuple[int, list[int]]  # (number of ranks, samples processed per rank)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from baguahvd.common.ops import ReduceOp
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
 from baguahvd.torch.algorithms.decentralized import DecentralizedAlgorithm
 from baguahvd.torch.algorithms.low_precision_decentralized import (

@@ -38,7 +38,7 @@ import torch
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.requests import Handle
 from baguahvd.runtime.process_sets import ProcessSet
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.compression import Compression
 from baguahvd.torch.functions import broadcast_object
 from baguahvd.torch.mpi_ops import allreduce_, bucket_allreduce_async_

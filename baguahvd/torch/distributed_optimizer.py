@@ -14,7 +14,7 @@ import torch
 
 from baguahvd.common.ops import Adasum, Average, ReduceOp, to_reduce_op
 from baguahvd.runtime.process_sets import ProcessSet, global_process_set
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.adasum_optimizer import make_adasum_optimizer
 from baguahvd.torch.algorithms.optimizer import make_algorithm_optimizer
 from baguahvd.torch.algorithms.registry import resolve

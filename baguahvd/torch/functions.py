@@ -8,7 +8,7 @@ import cloudpickle
 import torch
 
 from baguahvd.runtime.process_sets import ProcessSet, global_process_set
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.mpi_ops import (
     allgather,
     broadcast_,

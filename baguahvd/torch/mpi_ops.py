@@ -43,7 +43,7 @@ from baguahvd.engine.engine import GLOBAL_PROCESS_SET_ID, Engine
 from baguahvd.engine.messages import OpType
 from baguahvd.engine.requests import Handle
 from baguahvd.runtime.process_sets import ProcessSet, global_process_set
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.compression import Compression
 
 __all__ = [

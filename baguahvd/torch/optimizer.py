@@ -21,7 +21,7 @@ import torch
 
 from baguahvd.common.ops import ReduceOp
 from baguahvd.runtime.process_sets import ProcessSet
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.buckets import (
     BUCKET_COMPRESSIONS,
     GradientBuckets,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from baguahvd.common.ops import Sum
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.mpi_ops import allgather, allreduce_
 
 # One name per collective: a SyncBatchNorm blocks until its collective has finished, so

@@ -304,7 +304,7 @@ def test_a_full_disk_fails_the_commit_and_keeps_the_previous_one(
 
 _STOPPED_RANK = """
 import dataclasses
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 
 folder = os.environ["FOLDER"]
 runtime.config = dataclasses.replace(runtime.config, elastic_dir=folder)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import baguahvd.torch as hvd
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.algorithms.decentralized import DecentralizedAlgorithm
 from baguahvd.torch.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
 from baguahvd.torch.algorithms.optimizer import make_algorithm_optimizer

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import baguahvd.torch as hvd
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from tests.support.tables import REDUCE_OPS, REDUCIBLE
 
 OPS = {op.name.title(): op for op in REDUCE_OPS}

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import baguahvd.torch as hvd
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 
 STEPS = 30
 

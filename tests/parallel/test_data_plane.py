@@ -11,7 +11,7 @@ import torch
 import baguahvd.torch as hvd
 from baguahvd.backends import gloo
 from baguahvd.common.ops import ReduceOp
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.runtime.transport import Transport
 
 SPLIT = "OMPI_COMM_WORLD_SIZE" in os.environ and os.environ.get("BAGUAHVD_CPU_BACKEND") == "gloo"

@@ -13,7 +13,7 @@ import torch
 
 import baguahvd.algorithms as hvd_algorithms
 import baguahvd.torch as hvd
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.elastic.store import CheckpointStore
 
 

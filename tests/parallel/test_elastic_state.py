@@ -21,7 +21,7 @@ import torch
 import baguahvd.algorithms as hvd_algorithms
 import baguahvd.torch as hvd
 from baguahvd.common.exceptions import HostsUpdatedInterrupt
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.elastic.base import CommitWriteError, FinishedJobError
 from baguahvd.torch.elastic.store import CheckpointStore
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import baguahvd.torch as hvd
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from tests.support.gpus import rank_gpu
 
 STEPS = 4

@@ -99,7 +99,7 @@ def train_both(
 def with_buckets(monkeypatch: pytest.MonkeyPatch, buckets: bool) -> None:
     """Optimizers built from now on in this test use gradient buckets or not
     (BAGUAHVD_GRADIENT_BUCKETS, which init() has read)."""
-    from baguahvd.runtime.state import runtime
+    from baguahvd.runtime.runtime import runtime
 
     assert runtime.config is not None
     monkeypatch.setattr(runtime, "config",

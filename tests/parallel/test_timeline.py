@@ -15,7 +15,7 @@ os.environ.setdefault("HOROVOD_TIMELINE", "DYNAMIC")
 
 import baguahvd.torch as hvd  # noqa: E402
 from baguahvd.algorithms import ByteGradAlgorithm  # noqa: E402
-from baguahvd.runtime.state import runtime  # noqa: E402
+from baguahvd.runtime.runtime import runtime  # noqa: E402
 from baguahvd.torch.algorithms.optimizer import make_algorithm_optimizer  # noqa: E402
 
 

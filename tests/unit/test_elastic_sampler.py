@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.elastic import ElasticSampler
 
 

@@ -70,7 +70,7 @@ from baguahvd.backends import cuda_support
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.common.ops import ReduceOp
 from baguahvd.kernels import async_model_average_
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,

@@ -34,7 +34,7 @@ import torch
 
 from baguahvd.backends import cuda_support
 from baguahvd.runtime.process_sets import ProcessSet
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.algorithms.buckets import Bucket, split_into_buckets
 
 DEFAULT_BUCKET_BYTES = 10 * 1024 * 1024

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,

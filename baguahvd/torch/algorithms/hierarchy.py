@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from baguahvd.runtime.process_sets import ProcessSet, global_process_set
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.functions import allgather_object
 from baguahvd.torch.mpi_ops import Average, allreduce_, broadcast_
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from baguahvd.runtime.process_sets import ProcessSet, global_process_set
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.algorithms.base import DEFAULT_BUCKET_BYTES, Algorithm, AlgorithmContext
 from baguahvd.torch.algorithms.registry import resolve
 from baguahvd.torch.optimizer_protocol import (

@@ -1,6 +1,6 @@
 """Horovod's ``horovod.torch.elastic``: training that survives failures and host changes."""
 
-from baguahvd.runtime.state import runtime as _runtime
+from baguahvd.runtime.runtime import runtime as _runtime
 from baguahvd.torch.elastic import sampler as sampler
 from baguahvd.torch.elastic import state as state
 from baguahvd.torch.elastic.base import run_fn as run_fn

@@ -55,7 +55,7 @@ from typing import Any, TypeVar
 
 from baguahvd.common import elastic_protocol as protocol
 from baguahvd.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.elastic import rounds
 from baguahvd.torch.elastic.store import (
     CheckpointStore,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.utils.data
 
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 
 
 class ElasticSampler(torch.utils.data.Sampler[int]):

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from baguahvd.runtime.state import runtime
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.averaging import average_tree, keeps_replicas
 from baguahvd.torch.elastic.base import HostUpdateResult, ObjectState
 from baguahvd.torch.elastic.sampler import ElasticSampler
