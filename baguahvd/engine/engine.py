@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar
 
 import torch
 
@@ -65,6 +67,25 @@ from baguahvd.engine.timeline import Timeline
 __all__ = ["GLOBAL_PROCESS_SET_ID", "Engine"]
 
 logger = logging.getLogger("baguahvd.engine")
+
+
+T = TypeVar("T")
+
+
+class _View(Generic[T]):
+    """A read-only attribute of the engine that shows what one of its parts keeps (the
+    lifecycle's state, the engine thread's counts and settings): user threads read it, the
+    part that owns it changes it."""
+
+    __slots__ = ("_get",)
+
+    def __init__(self, path: str) -> None:
+        self._get = operator.attrgetter(path)
+
+    def __get__(self, engine: object, owner: type | None = None) -> T:
+        if engine is None:  # looked up on the class (documentation tools)
+            return self  # type: ignore[return-value]
+        return self._get(engine)  # type: ignore[no-any-return]
 
 
 class Engine:
@@ -142,15 +163,21 @@ class Engine:
     # ----------------------------------------------------------------------------------
     # Lifecycle
 
-    @property
-    def running(self) -> bool:
-        """Whether collectives are still accepted: the engine has not stopped."""
-        return self._lifecycle.running
-
-    @property
-    def abnormal(self) -> bool:
-        """Whether the engine stopped because something failed (see :meth:`leave_job`)."""
-        return self._lifecycle.abnormal
+    running = _View[bool]("_lifecycle.running")
+    """Whether collectives are still accepted: the engine has not stopped."""
+    abnormal = _View[bool]("_lifecycle.abnormal")
+    """Whether the engine stopped because something failed (see :meth:`leave_job`)."""
+    state = _View[State]("_lifecycle.state")
+    """The lifecycle state (:class:`~baguahvd.engine.lifecycle.State`)."""
+    cycles = _View[int]("_loop.cycles")
+    """Cycles this rank's engine thread has begun."""
+    full_negotiations = _View[int]("_loop.negotiation.exchanges")
+    """Cycles whose requests went to rank 0 in full; the others ran from the response
+    cache (or had nothing to run)."""
+    fusion_bytes = _View[int]("_dispatch.fusion_bytes.value")
+    """Bytes this rank has copied into and out of fusion buffers since it started."""
+    settings = _View[Settings]("_loop.settings")
+    """The fusion threshold and cycle time in use (autotune changes them)."""
 
     @property
     def autotuning(self) -> bool:
@@ -158,11 +185,6 @@ class Engine:
         cycle time."""
         tuner = self._loop.tuner
         return tuner is not None and not tuner.frozen
-
-    @property
-    def state(self) -> State:
-        """The lifecycle state (:class:`~baguahvd.engine.lifecycle.State`)."""
-        return self._lifecycle.state
 
     def start(self) -> None:
         """Starts the engine thread (collective: every rank calls it during ``init()``)."""
@@ -358,27 +380,6 @@ class Engine:
         key, display, site = self._queue.name(op, label, process_set_id, name)
         meta = RequestMeta(key, display, op, process_set_id, self.rank, failure=reason, site=site)
         self._queue.put(Request(meta, (), None), self._lifecycle.stop_error)
-
-    @property
-    def fusion_bytes(self) -> int:
-        """Bytes this rank has copied into and out of fusion buffers since it started."""
-        return self._dispatch.fusion_bytes.value
-
-    @property
-    def full_negotiations(self) -> int:
-        """Cycles whose requests went to rank 0 in full; the others ran from the response
-        cache (or had nothing to run)."""
-        return self._loop.negotiation.exchanges
-
-    @property
-    def cycles(self) -> int:
-        """Cycles this rank's engine thread has begun."""
-        return self._loop.cycles
-
-    @property
-    def settings(self) -> Settings:
-        """The fusion threshold and cycle time in use (autotune changes them)."""
-        return self._loop.settings
 
     def _run(self) -> None:
         try:
