@@ -7,7 +7,7 @@ Run it twice, without and with the variable, and compare the per-call times::
 
 Each run times ``--calls`` unnamed ``hvd.allreduce`` calls of a one-element float32 tensor
 (median of ``--repeats`` rounds, the slowest rank's view) and, on its own, the site capture
-(:func:`baguahvd.engine.intake.call_site`) as it runs for such a call: from under
+(:func:`baguahvd.engine.submission.call_site`) as it runs for such a call: from under
 ``hvd.allreduce``, its autograd function and the submission path.
 """
 
@@ -22,7 +22,7 @@ from unittest import mock
 import torch
 
 import baguahvd.torch as hvd
-from baguahvd.engine import intake
+from baguahvd.engine import submission
 
 
 def _per_call_us(calls: int, repeats: int) -> float:
@@ -43,7 +43,7 @@ def _capture_us(calls: int) -> float:
     """Time of call_site() alone, captured from inside a real submission: the frames it
     walks are those of an hvd.allreduce call."""
     durations: list[float] = []
-    original = intake.call_site
+    original = submission.call_site
 
     def timed() -> str:
         start = time.perf_counter()
@@ -52,7 +52,7 @@ def _capture_us(calls: int) -> float:
         return site
 
     tensor = torch.ones(1)
-    with mock.patch.object(intake, "call_site", timed):
+    with mock.patch.object(submission, "call_site", timed):
         for _ in range(calls):
             hvd.allreduce(tensor, op=hvd.Sum)
     return statistics.median(durations) * 1e6 if durations else float("nan")

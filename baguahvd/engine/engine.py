@@ -54,7 +54,7 @@ from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.autotune import Settings
 from baguahvd.engine.clock import SYSTEM_CLOCK, Clock
 from baguahvd.engine.execution.dispatch import Dispatcher
-from baguahvd.engine.intake import RequestQueue, ThreadActivity, describe_tensors
+from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.lifecycle.states import Lifecycle, State
 from baguahvd.engine.lifecycle.watchdog import Watchdog, process_identity
 from baguahvd.engine.loop import EngineLoop
@@ -62,6 +62,7 @@ from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, OpType, RequestMeta
 from baguahvd.engine.notices import Notice, NoticeKind
 from baguahvd.engine.process_sets import ProcessSetRegistry, not_member_message
 from baguahvd.engine.requests import Handle, Request
+from baguahvd.engine.submission import Submissions, ThreadActivity, describe_tensors
 from baguahvd.engine.timeline import Timeline
 
 __all__ = ["GLOBAL_PROCESS_SET_ID", "Engine"]
@@ -112,7 +113,8 @@ class Engine:
         self.size = control.size
         self._registry = ProcessSetRegistry(self.rank, self.size, control)
         self.process_sets = self._registry.states
-        self._queue = RequestQueue(self.rank, config.check_call_sites)
+        self._queue = RequestQueue()
+        self._submissions = Submissions(config.check_call_sites)
         self._lifecycle = Lifecycle(self.rank, self.size, control, config.exit_timeout_s)
         self._thread: threading.Thread | None = None
         self._watchdog: Watchdog | None = None
@@ -126,11 +128,11 @@ class Engine:
             self.rank, self.process_sets, self.timeline, device_comms,
             registry=self._registry, device_timeout_s=config.nccl_timeout_s,
             stopped=self._lifecycle.stop_error, single_rank_nccl=config.nccl_single_rank,
-            nccl_average=config.nccl_average,
+            nccl_average=config.nccl_average, submissions=self._submissions,
         )
         self._loop = EngineLoop(
-            config, control, self.process_sets, self._queue, self._lifecycle, self._dispatch,
-            self.timeline, clock,
+            config, control, self.process_sets, self._queue, self._submissions, self._lifecycle,
+            self._dispatch, self.timeline, clock,
         )
         self.settings_changes = self._loop.settings_changes
         """Autotune: (cycle, settings) of every change, the cycle being the last one run
@@ -335,7 +337,7 @@ class Engine:
         if state is None or not state.member:
             raise ProcessSetError(not_member_message(label, state, self.rank))
         dtype, shapes, device = describe_tensors(inputs, label)
-        key, display, site = self._queue.name(op, label, process_set_id, name)
+        key, display, site = self._submissions.name(op, label, process_set_id, name)
         # Positional: the per-request path of every small collective.
         meta = RequestMeta(
             key, display, op, process_set_id, self.rank, dtype, shapes, device,
@@ -349,8 +351,9 @@ class Engine:
             self._queue.check_unique(request)
             self._dispatch.run_alone(request, state)
             return request.handle
-        # Single-member sets run here, in this thread's stream order: nothing to mark.
-        self._dispatch.mark(request)
+        # Only this thread knows its current stream: noted now, read by the engine thread.
+        # (Single-member sets run here, in this thread's stream order: nothing to mark.)
+        self._submissions.mark(request)
         self._queue.put(request, self._lifecycle.stop_error, blocking)
         return request.handle
 
@@ -377,7 +380,7 @@ class Engine:
         state = self.process_sets.get(process_set_id)
         if not self.running or state is None or not state.member or len(state.ranks) == 1:
             return
-        key, display, site = self._queue.name(op, label, process_set_id, name)
+        key, display, site = self._submissions.name(op, label, process_set_id, name)
         meta = RequestMeta(key, display, op, process_set_id, self.rank, failure=reason, site=site)
         self._queue.put(Request(meta, (), None), self._lifecycle.stop_error)
 

@@ -38,6 +38,7 @@ from baguahvd.engine.negotiation.stall import StallInspector
 from baguahvd.engine.notices import Notice, NoticeKind, describe_exception
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Entry, Request
+from baguahvd.engine.submission import Submissions
 from baguahvd.engine.timeline import Timeline
 
 logger = logging.getLogger("baguahvd.engine")
@@ -55,6 +56,8 @@ class EngineLoop:
         control: the negotiation channel over every rank of the job.
         process_sets: the registered process sets, by id.
         queue: the intake the cycles take new requests from.
+        submissions: this rank's count of unnamed requests (a joined rank's advances with
+            the collectives it takes part in without submitting them).
         lifecycle: the engine's lifecycle.
         dispatch: runs the agreed units.
         timeline: rank 0's timeline, if any.
@@ -67,6 +70,7 @@ class EngineLoop:
         control: ControlPlane,
         process_sets: dict[int, ProcessSetState],
         queue: RequestQueue,
+        submissions: Submissions,
         lifecycle: Lifecycle,
         dispatch: Dispatcher,
         timeline: Timeline | None,
@@ -78,6 +82,7 @@ class EngineLoop:
             queue, lifecycle, dispatch, timeline
         )
         self.clock = clock
+        self.submissions = submissions
         self.inspector = StallInspector(
             config.stall_check_time_s, config.stall_shutdown_time_s, config.stall_check_disable
         )
@@ -176,7 +181,7 @@ class EngineLoop:
             if own is None:
                 # Ran (or failed) while this rank had joined: count it, before the join can
                 # return, so that this rank's next unnamed collective pairs with the others'.
-                self.queue.skip_unnamed(response.process_set_id, response.key)
+                self.submissions.skip_unnamed(response.process_set_id, response.key)
         self.executing = [request for _, request in entries if request is not None]
         timeline = self.timeline
         if timeline is not None and timeline.active and entries:

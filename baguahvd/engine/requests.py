@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ class Handle:
     """
 
     __slots__ = (
-        "_pending", "name", "result", "error", "extra", "_keepalive", "on_wait", "device_done"
+        "_pending", "name", "result", "error", "extra", "_keepalive", "wakes", "device_done"
     )
 
     def __init__(self, name: str, keepalive: Sequence[torch.Tensor]) -> None:
@@ -33,9 +33,10 @@ class Handle:
         self.error: BaseException | None = None
         self.extra: Any = None
         self._keepalive: Sequence[torch.Tensor] | None = keepalive
-        self.on_wait: Callable[[], None] | None = None
-        """Called when a thread is about to block in :meth:`wait`: the engine then knows
-        that a burst of submissions is over and starts its cycle at once."""
+        self.wakes: tuple[threading.Event, ...] = ()
+        """Set when a thread is about to block in :meth:`wait`: the engine thread then knows
+        that a burst of submissions is over and starts its cycle at once (events, so that
+        waiting calls nothing of the engine's)."""
         self.device_done: Any = None
         """A CUDA event after the device work that produces the results, where that work
         was queued on the submitter's stream (a single-member set's CUDA tensors):
@@ -48,8 +49,8 @@ class Handle:
     def wait(self) -> list[torch.Tensor] | None:
         """Blocks until done; returns the outputs or raises the collective's error."""
         if self._pending.locked():
-            if self.on_wait is not None:
-                self.on_wait()
+            for event in self.wakes:
+                event.set()
             self._pending.acquire()
             self._pending.release()
         if self.error is not None:

@@ -170,7 +170,7 @@ class Rank:
             shapes=tuple(tuple(t.shape) for t in inputs), device="GPU",
         )
         request = Request(meta, inputs, outputs)
-        self.dispatcher.mark(request)
+        self.dispatcher.submissions.mark(request)
         return request
 
     def run(self, model: StreamModel, entries: list[tuple[Response, Request | None]]) -> None:
@@ -268,7 +268,7 @@ def test_the_user_thread_keeps_its_cupy_device(model: StreamModel) -> None:
 def test_a_member_that_joined_first_puts_its_zeros_on_its_gpu(model: StreamModel) -> None:
     rank = Rank()
     rank.submit(OpType.JOIN, [], None)
-    assert rank.dispatcher.user_device == torch.device("cuda", GPU)
+    assert rank.dispatcher.submissions.user_device == torch.device("cuda", GPU)
     rank.run(model, [(response(OpType.ALLREDUCE, ((3,), (2,))), None)])
     assert rank.nccl.device == torch.device("cuda", GPU)
 

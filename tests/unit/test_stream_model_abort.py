@@ -74,7 +74,7 @@ class Rank:
             dtype="float32", shapes=tuple(shapes), device="GPU",
         )
         request = Request(meta, inputs, outputs)
-        self.dispatcher.mark(request)
+        self.dispatcher.submissions.mark(request)
         response = Response(key=name, name=name, op=OpType.ALLREDUCE, process_set_id=0,
                             dtype="float32", shapes=tuple(shapes), device="GPU",
                             **fields)  # type: ignore[arg-type]

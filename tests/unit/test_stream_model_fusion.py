@@ -54,7 +54,7 @@ class TwoSets:
             dtype="float32", shapes=tuple(shapes), device="GPU",
         )
         request = Request(meta, inputs, [torch.empty_like(t) for t in inputs])
-        self.dispatcher.mark(request)
+        self.dispatcher.submissions.mark(request)
         response = Response(key=name, name=name, op=OpType.ALLREDUCE, process_set_id=ident,
                             dtype="float32", shapes=tuple(shapes), device="GPU")
         return request, [(response, request)]

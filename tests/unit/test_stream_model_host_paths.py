@@ -59,7 +59,7 @@ def test_a_host_staged_unit_waits_for_the_producer_and_for_its_own_copies(
         inputs = [torch.ones(4, device=CUDA).mul_(3)]
         outputs = [torch.empty(4, device=CUDA)]
         request = _request(inputs, outputs)
-        dispatcher.mark(request)
+        dispatcher.submissions.mark(request)
     on_thread(model, lambda: dispatcher.run_unit([(_response(((4,),)), request)]))
     with model.active():
         request.handle.wait()

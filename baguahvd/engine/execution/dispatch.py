@@ -53,6 +53,7 @@ from baguahvd.engine.execution.completion import (
 from baguahvd.engine.messages import OpType, build_response
 from baguahvd.engine.process_sets import ProcessSetRegistry, ProcessSetState
 from baguahvd.engine.requests import Entry, Request
+from baguahvd.engine.submission import Submissions
 from baguahvd.engine.timeline import Timeline, transport_activity
 
 logger = logging.getLogger("baguahvd.engine")
@@ -89,6 +90,8 @@ class Dispatcher:
         single_rank_nccl: single-member sets send CUDA tensors through a one-rank NCCL
             communicator instead of copying them (BAGUAHVD_NCCL_SINGLE_RANK).
         nccl_average: Average uses ``ncclAvg`` where NCCL has it (BAGUAHVD_NCCL_AVERAGE).
+        submissions: the engine's record of its submissions, whose ``user_device`` (noted
+            by the submitting threads) says where a joined member's zeros go.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class Dispatcher:
         stopped: Callable[[], BaseException | None] | None = None,
         single_rank_nccl: bool = False,
         nccl_average: bool = False,
+        submissions: Submissions | None = None,
     ) -> None:
         self.rank, self.process_sets, self.registry = rank, process_sets, registry
         self.timeline, self.device_comms = timeline, device_comms
@@ -114,8 +118,9 @@ class Dispatcher:
         """The fusion buffers of the data communicators' units (engine thread only); each
         device communicator has its own (:attr:`ProcessSetState.device_buffers`) and each
         user thread that runs single-member sets' collectives too (:meth:`run_alone`)."""
-        self.user_device: torch.device | None = None
-        """The CUDA device of this rank's submissions (where its joined zeros go)."""
+        self.submissions = submissions if submissions is not None else Submissions()
+        """Where this rank's user threads submit from (read only here: where the zeros of a
+        member that joined go)."""
         self.pending = Completions(timeline)
         """Device units launched and not completed yet."""
         self.fusion_bytes = ByteCount()
@@ -128,18 +133,6 @@ class Dispatcher:
         calls (the polls of launched units' events) leave the users' graph captures alone.
         It switches before its first device unit, its first CUDA call (the process may not
         have initialized CUDA when the engine thread started)."""
-
-    def mark(self, request: Request) -> None:
-        """Notes where a submission stands in its submitter's CUDA stream (user thread)."""
-        meta = request.meta
-        if meta.device == "CPU" and meta.op != OpType.JOIN:
-            return
-        mark = cuda_support.mark_submission(request.inputs)
-        request.mark = mark
-        if mark is not None:
-            self.user_device = mark.device
-        elif request.meta.op == OpType.JOIN and self.user_device is None:
-            self.user_device = cuda_support.thread_cuda_device()
 
     def run_unit(self, unit: list[Entry]) -> None:
         """Runs one agreed unit on this rank (engine thread); raises what it raised. Its
@@ -182,7 +175,8 @@ class Dispatcher:
         marks = [request.mark for _, request in unit
                  if request is not None and request.mark is not None]
         device = marks[0].device if marks else (
-            getattr(comm, "device", None) or self.user_device or cuda_support.thread_cuda_device()
+            getattr(comm, "device", None) or self.submissions.user_device
+            or cuda_support.thread_cuda_device()
         )
         name = unit[0][0].name
         with ordered(device, marks, name) as launched:
@@ -356,7 +350,7 @@ class Dispatcher:
         op = response.op
         if op == OpType.ALLREDUCE:
             run.rest = execute.allreduce(
-                comm, unit, run.buffers, phase, self.user_device, split=run.split,
+                comm, unit, run.buffers, phase, self.submissions.user_device, split=run.split,
                 copied=self.fusion_bytes,
             )
             return [Outcome(request, request.outputs) for request in requests]
