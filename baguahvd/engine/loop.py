@@ -181,14 +181,14 @@ class EngineLoop:
             if own is None:
                 # Ran (or failed) while this rank had joined: count it, before the join can
                 # return, so that this rank's next unnamed collective pairs with the others'.
-                self.submissions.skip_unnamed(response.process_set_id, response.key)
+                self.submissions.skip_unnamed(response.meta.process_set_id, response.meta.key)
         self.executing = [request for _, request in entries if request is not None]
         timeline = self.timeline
         if timeline is not None and timeline.active and entries:
             timeline.cycle_started()
             for response, own in entries:
                 if own is not None:
-                    timeline.queued(response.name, response.op, own.activity)
+                    timeline.queued(response.meta.name, response.meta.op, own.activity)
         self.inject_fault("run", entries)
         for unit in plan_fusion(
             entries, self.settings.fusion_threshold, self.config.disable_group_fusion,
@@ -199,8 +199,8 @@ class EngineLoop:
             except Exception as exc:
                 raise CollectiveFailure(unit, exc) from exc
             response = unit[0][0]
-            if response.op == OpType.REMOVE_PROCESS_SET and response.error is None:
-                self._forget_process_set(response.payload[0])
+            if response.meta.op == OpType.REMOVE_PROCESS_SET and response.error is None:
+                self._forget_process_set(response.meta.payload[0])
         self.executing = []
         for response, own in negotiated:
             negotiation.remember(response, own)
@@ -265,7 +265,7 @@ class EngineLoop:
         peers may wait in that collective, or its data communicators are out of step with
         theirs), and every rank's pending and later collectives raise the error."""
         exc = failure.error
-        names = [response.name for response, _ in failure.unit]
+        names = [response.meta.name for response, _ in failure.unit]
         name = names[0] if len(names) == 1 else f"{names[0]} (fused with {len(names) - 1} more)"
         logger.error("%s failed on this rank; ending the job", name, exc_info=exc)
         reason = f"{name}: {describe_exception(exc)}"
@@ -308,9 +308,9 @@ class EngineLoop:
 def _reduced(entries: list[Entry]) -> list[tuple[str, int]]:
     """Name and bytes of this rank's allreduces among a cycle's entries (autotune's measure)."""
     return [
-        (response.name, sum(t.numel() * t.element_size() for t in own.inputs))
+        (response.meta.name, sum(t.numel() * t.element_size() for t in own.inputs))
         for response, own in entries
-        if own is not None and response.op == OpType.ALLREDUCE and response.error is None
+        if own is not None and response.meta.op == OpType.ALLREDUCE and response.error is None
     ]
 
 

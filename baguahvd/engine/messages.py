@@ -2,7 +2,9 @@
 
 A :class:`RequestMeta` describes one submitted collective (no tensor data). Rank 0 collects
 them and, once every member of the process set has submitted a name, checks that they agree
-and turns them into one :class:`Response` that all ranks execute in the same order.
+and turns them into one :class:`Response` that all ranks execute in the same order: the
+description they agreed on (the first member's ``RequestMeta``, carried as it is) and what
+rank 0 adds to it (every member's first dimensions or splits, the joined ranks, an error).
 
 A request may be a placeholder: the collective failed its local checks on its rank, which
 raised the error at once and still submitted the request (no tensors, ``failure`` set), so
@@ -127,30 +129,20 @@ class RequestMeta(NamedTuple):
 
 
 class Response(NamedTuple):
-    """A collective every member of the process set runs, or an error they all raise."""
+    """A collective every member of the process set runs, or an error they all raise: the
+    description they agreed on (the first member's request: its op, dtype, shapes, scaling,
+    root...), and what rank 0 adds to it."""
 
-    key: str
-    name: str
-    op: OpType
-    process_set_id: int
-    dtype: str = ""
-    shapes: tuple[tuple[int, ...], ...] = ()
-    device: str = "CPU"
-    reduce_op: ReduceOp = ReduceOp.SUM
-    prescale: float = 1.0
-    postscale: float = 1.0
-    root: int = -1
+    meta: RequestMeta
+    """What the members agreed to run; for an error, only its name, op and process set."""
     first_dims: tuple[tuple[int, ...], ...] = ()
     """Allgather: per tensor, every member's dim 0 (member order)."""
     splits: tuple[tuple[int, ...], ...] = ()
     """Alltoall: every member's splits (member order)."""
-    payload: tuple[int, ...] = ()
     error: str | None = None
     joined: tuple[int, ...] = ()
     """Members that have called join() and take part with zeros."""
     last_joined: int = -1
-    fuse: bool = True
-    """Allreduce: False runs it as a unit of its own, in place on its tensors."""
 
 
 def _shape(shape: Sequence[int]) -> str:
@@ -214,19 +206,57 @@ def _describe_shape_mismatch(first: RequestMeta, meta: RequestMeta, index: int) 
             f"{meta.rank} sent a tensor with dimension {dim} equal to {shape[dim]}.")
 
 
-def _describe_first_mismatch(
-    metas: Sequence[RequestMeta], ranks: Sequence[int]
+class _Rule(NamedTuple):
+    """A field the members must agree on, and how a disagreement on it is told: "Mismatched
+    {subject} for {name}: rank {a} {verb} {shown(a)}, but rank {b} {verb} {shown(b)}."."""
+
+    subject: str
+    """What disagrees; ``{label}`` stands for the op (``ALLREDUCE``)."""
+    verb: str
+    value: Callable[[RequestMeta], object]
+    shown: Callable[[RequestMeta, Sequence[int]], str]
+    """A member's value as the message shows it, given the process set's global ranks."""
+
+
+# Horovod's order of the checks: these before the shapes, ...
+_RULES_BEFORE_SHAPES = (
+    _Rule("operations", "did", lambda m: m.op, lambda m, _: f"an {m.op.label}"),
+    _Rule("data types", "had", lambda m: m.dtype, lambda m, _: f"type {m.dtype}"),
+)
+# ... these after them.
+_RULES_AFTER_SHAPES = (
+    _Rule("reduction operation", "sent", lambda m: m.reduce_op,
+          lambda m, _: f"reduction op {int(m.reduce_op)} ({m.reduce_op.name})"),
+    _Rule("prescale and/or postscale factors", "sent", lambda m: (m.prescale, m.postscale),
+          lambda m, _: f"factors ({m.prescale}, {m.postscale})"),
+    _Rule("{label} root ranks", "specified", lambda m: m.root,
+          lambda m, ranks: f"root rank {ranks[m.root]}"),
+    _Rule("{label} CPU/GPU device selection", "specified", lambda m: m.device,
+          lambda m, _: f"device {m.device}"),
+    _Rule("{label} arguments", "sent", lambda m: m.payload, lambda m, _: f"{list(m.payload)}"),
+    _Rule("{label} fusion", "sent", lambda m: m.fuse, lambda m, _: f"fuse={m.fuse}"),
+)
+
+
+def _describe_rule_mismatch(
+    rules: Sequence[_Rule], metas: Sequence[RequestMeta], ranks: Sequence[int]
 ) -> str | None:
-    """Returns a message naming the ranks and values of the first disagreement, or None.
-    The fields are compared in Horovod's order, each across all ranks before the next."""
+    """The message of the first of ``rules`` the members disagree on, or None."""
+    first = metas[0]
+    for rule in rules:
+        if other := _first_different(metas, rule.value):
+            subject = rule.subject.format(label=first.op.label)
+            return (f"Mismatched {subject} for {first.name}: rank {first.rank} {rule.verb} "
+                    f"{rule.shown(first, ranks)}, but rank {other.rank} {rule.verb} "
+                    f"{rule.shown(other, ranks)}.")
+    return None
+
+
+def _describe_shapes_mismatch(metas: Sequence[RequestMeta]) -> str | None:
+    """The first disagreement on the number of tensors or on a tensor's shape, or a
+    rank-zero tensor of a ragged collective; None when the shapes agree."""
     first = metas[0]
     label, name = first.op.label, first.name
-    if other := _first_different(metas, lambda m: m.op):
-        return (f"Mismatched operations for {name}: rank {first.rank} did an {label}, but "
-                f"rank {other.rank} did an {other.op.label}.")
-    if other := _first_different(metas, lambda m: m.dtype):
-        return (f"Mismatched data types for {name}: rank {first.rank} had type {first.dtype}, "
-                f"but rank {other.rank} had type {other.dtype}.")
     if other := _first_different(metas, lambda m: len(m.shapes)):
         return (f"Mismatched {label} group sizes for {name}: rank {first.rank} sent "
                 f"{len(first.shapes)} tensors, but rank {other.rank} sent {len(other.shapes)}.")
@@ -236,29 +266,19 @@ def _describe_first_mismatch(
                 return shape_error
         if first.op in RAGGED_OPS and len(reference) == 0:
             return f"Process-set rank zero tried to {label} a rank-zero tensor ({name})."
-    if other := _first_different(metas, lambda m: m.reduce_op):
-        return (f"Mismatched reduction operation for {name}: rank {first.rank} sent reduction "
-                f"op {int(first.reduce_op)} ({first.reduce_op.name}), but rank {other.rank} "
-                f"sent reduction op {int(other.reduce_op)} ({other.reduce_op.name}).")
-    if other := _first_different(metas, lambda m: (m.prescale, m.postscale)):
-        return (f"Mismatched prescale and/or postscale factors for {name}: rank {first.rank} "
-                f"sent factors ({first.prescale}, {first.postscale}), but rank {other.rank} "
-                f"sent factors ({other.prescale}, {other.postscale}).")
-    if other := _first_different(metas, lambda m: m.root):
-        return (f"Mismatched {label} root ranks for {name}: rank {first.rank} specified root "
-                f"rank {ranks[first.root]}, but rank {other.rank} specified root rank "
-                f"{ranks[other.root]}.")
-    if other := _first_different(metas, lambda m: m.device):
-        return (f"Mismatched {label} CPU/GPU device selection for {name}: rank {first.rank} "
-                f"specified device {first.device}, but rank {other.rank} specified device "
-                f"{other.device}.")
-    if other := _first_different(metas, lambda m: m.payload):
-        return (f"Mismatched {label} arguments for {name}: rank {first.rank} sent "
-                f"{list(first.payload)}, but rank {other.rank} sent {list(other.payload)}.")
-    if other := _first_different(metas, lambda m: m.fuse):
-        return (f"Mismatched {label} fusion for {name}: rank {first.rank} sent fuse="
-                f"{first.fuse}, but rank {other.rank} sent fuse={other.fuse}.")
     return None
+
+
+def _describe_first_mismatch(
+    metas: Sequence[RequestMeta], ranks: Sequence[int]
+) -> str | None:
+    """Returns a message naming the ranks and values of the first disagreement, or None.
+    The fields are compared in Horovod's order, each across all ranks before the next."""
+    return (
+        _describe_rule_mismatch(_RULES_BEFORE_SHAPES, metas, ranks)
+        or _describe_shapes_mismatch(metas)
+        or _describe_rule_mismatch(_RULES_AFTER_SHAPES, metas, ranks)
+    )
 
 
 _AFTER_RANK = RequestMeta._fields.index("rank") + 1
@@ -297,7 +317,6 @@ def build_response(
         joined: global ranks of members that joined and take part without a request.
     """
     first = metas[0]
-    base = dict(key=first.key, name=first.name, op=first.op, process_set_id=first.process_set_id)
     error = None if _alike(metas) else (
         _describe_local_failures(metas)
         or _describe_site_mismatch(metas)
@@ -306,7 +325,8 @@ def build_response(
     if error is None and joined and first.op in _JOIN_UNSUPPORTED:
         error = f"{_JOIN_UNSUPPORTED[first.op]} ({first.name}; joined ranks: {list(joined)})"
     if error is not None:
-        return Response(**base, error=error)  # type: ignore[arg-type]
+        named = RequestMeta(first.key, first.name, first.op, first.process_set_id, first.rank)
+        return Response(named, error=error)
     first_dims: tuple[tuple[int, ...], ...] = ()
     if first.op == OpType.ALLGATHER:
         first_dims = tuple(
@@ -315,18 +335,4 @@ def build_response(
     splits: tuple[tuple[int, ...], ...] = ()
     if first.op == OpType.ALLTOALL:
         splits = tuple(meta.splits or () for meta in metas)
-    return Response(
-        **base,  # type: ignore[arg-type]
-        dtype=first.dtype,
-        shapes=first.shapes,
-        device=first.device,
-        reduce_op=first.reduce_op,
-        prescale=first.prescale,
-        postscale=first.postscale,
-        root=first.root,
-        first_dims=first_dims,
-        splits=splits,
-        payload=first.payload,
-        joined=tuple(joined),
-        fuse=first.fuse,
-    )
+    return Response(first, first_dims, splits, None, tuple(joined))

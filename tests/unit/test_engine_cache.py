@@ -13,6 +13,7 @@ from baguahvd.engine.negotiation.cache import (
     may_cache,
     response_cacheable,
 )
+from tests.fakes.responses import agreed
 
 
 def _meta(rank: int, op: OpType = OpType.ALLREDUCE, name: str = "allreduce.w", **fields):
@@ -22,7 +23,7 @@ def _meta(rank: int, op: OpType = OpType.ALLREDUCE, name: str = "allreduce.w", *
 
 
 def _response(key: str, process_set_id: int = 0) -> Response:
-    return Response(key=key, name=key, op=OpType.ALLREDUCE, process_set_id=process_set_id,
+    return agreed(key=key, name=key, op=OpType.ALLREDUCE, process_set_id=process_set_id,
                     dtype="float32", shapes=((4,),))
 
 
@@ -32,7 +33,7 @@ def test_cache_hit_stale_miss() -> None:
     cache.put(_response("a"), signature, member=True)
     found, slot = cache.lookup(0, "a", signature)
     assert found is Lookup.HIT and slot == 0
-    assert cache.response(slot).key == "a"
+    assert cache.response(slot).meta.key == "a"
     other = _meta(0, shapes=((5,),)).signature()
     assert cache.lookup(0, "a", other) == (Lookup.STALE, 0)
     assert cache.lookup(0, "b", signature) == (Lookup.MISS, -1)
@@ -105,7 +106,7 @@ def test_cache_clear() -> None:
 
 def _allreduce(name: str, count: int, **fields: object) -> tuple[Response, str]:
     settings: dict[str, object] = {"dtype": "float32", "shapes": ((count,),), **fields}
-    response = Response(key=name, name=name, op=OpType.ALLREDUCE, process_set_id=0,
+    response = agreed(key=name, name=name, op=OpType.ALLREDUCE, process_set_id=0,
                         **settings)  # type: ignore[arg-type]
     return response, name
 
@@ -139,10 +140,11 @@ def test_only_responses_that_ran_with_every_member_are_cached() -> None:
 def test_unnamed_allreduces_and_broadcasts_of_the_global_set_are_cached_under_what_they_move(
 ) -> None:
     response, _ = _allreduce("allreduce.w", 1)
-    first = response._replace(key="noname.0", name="allreduce.noname.0")
-    later = response._replace(key="noname.7", name="allreduce.noname.7")
-    assert response_cacheable(first)
-    assert cache_key(first) == cache_key(later) != cache_key(response)
+    meta = response.meta
+    first = meta._replace(key="noname.0", name="allreduce.noname.0")
+    later = meta._replace(key="noname.7", name="allreduce.noname.7")
+    assert response_cacheable(response._replace(meta=first))
+    assert cache_key(first) == cache_key(later) != cache_key(meta)
     assert cache_key(first) != cache_key(first._replace(shapes=((2,),)))
     assert cache_key(first) != cache_key(first._replace(postscale=0.5))
     assert cache_key(first) != cache_key(first._replace(fuse=False))
@@ -151,4 +153,4 @@ def test_unnamed_allreduces_and_broadcasts_of_the_global_set_are_cached_under_wh
     broadcast = first._replace(op=OpType.BROADCAST, root=0)
     assert cache_key(broadcast) not in (None, cache_key(first))
     assert cache_key(broadcast) != cache_key(broadcast._replace(root=1))
-    assert cache_key(response._replace(op=OpType.BARRIER)) is None
+    assert cache_key(meta._replace(op=OpType.BARRIER)) is None

@@ -10,11 +10,12 @@ from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.execution.fusion import plan_fusion, unfused_sizes
 from baguahvd.engine.messages import OpType, Response
 from baguahvd.engine.process_sets import ProcessSetState
+from tests.fakes.responses import agreed, redescribed
 
 
 def _allreduce(name: str, count: int, **fields: object) -> tuple[Response, str]:
     settings: dict[str, object] = {"dtype": "float32", "shapes": ((count,),), **fields}
-    response = Response(key=name, name=name, op=OpType.ALLREDUCE, process_set_id=0,
+    response = agreed(key=name, name=name, op=OpType.ALLREDUCE, process_set_id=0,
                         **settings)  # type: ignore[arg-type]
     return response, name
 
@@ -52,14 +53,14 @@ def test_no_threshold_fuses_nothing() -> None:
 )
 def test_allreduces_that_differ_in_kind_are_not_fused(fields: dict[str, object]) -> None:
     first = _allreduce("a", 1)
-    response = first[0]._replace(**fields)  # type: ignore[arg-type]
-    entries = [first, (response._replace(key="b", name="b"), "b"), _allreduce("c", 1)]
+    response = redescribed(first[0], **fields)
+    entries = [first, (redescribed(response, key="b", name="b"), "b"), _allreduce("c", 1)]
     # "c" joins "a"'s unit, which stays open past the different "b".
     assert _names(plan_fusion(entries, threshold=1024)) == [["a", "c"], ["b"]]
 
 
 def test_errors_adasum_and_other_collectives_run_alone() -> None:
-    gather = Response(key="g", name="g", op=OpType.ALLGATHER, process_set_id=0,
+    gather = agreed(key="g", name="g", op=OpType.ALLGATHER, process_set_id=0,
                       dtype="float32", shapes=((1,),))
     entries = [
         _allreduce("a", 1),
@@ -107,9 +108,9 @@ def test_large_cpu_tensors_run_alone_from_their_sets_unfused_size() -> None:
 def test_a_large_tensor_passes_its_sets_fused_units_only() -> None:
     entries = [
         _allreduce("a", 4),
-        (_allreduce("gathered", 4)[0]._replace(op=OpType.ALLGATHER), "gathered"),  # stops it
+        (redescribed(_allreduce("gathered", 4)[0], op=OpType.ALLGATHER), "gathered"),  # stops it
         _allreduce("c", 4, dtype="float64"),  # a fused unit opened after it: passed
-        (_allreduce("other", 4)[0]._replace(process_set_id=1), "other"),  # passed over
+        (redescribed(_allreduce("other", 4)[0], process_set_id=1), "other"),  # passed over
         _allreduce("big", 64),
         _allreduce("d", 4),  # joins "a"'s unit, which is older than everything here
         _allreduce("big2", 64),
@@ -142,8 +143,7 @@ def test_large_tensors_stay_fused_outside_the_rule(
 ) -> None:
     big, small = _allreduce("big", 64)[0], _allreduce("a", 4)[0]
     device = {"device": replaced["device"]} if "device" in replaced else {}
-    entries = [(big._replace(**replaced), "big"),  # type: ignore[arg-type]
-               (small._replace(**device), "a")]  # type: ignore[arg-type]
+    entries = [(redescribed(big, **replaced), "big"), (redescribed(small, **device), "a")]
     assert _names(plan_fusion(entries, threshold=1 << 20, unfused=unfused)) == [["big", "a"]]
 
 

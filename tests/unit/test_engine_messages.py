@@ -26,12 +26,12 @@ def test_matching_requests_give_a_runnable_response() -> None:
     metas = [_meta(r, reduce_op=ReduceOp.SUM, prescale=2.0) for r in range(3)]
     response = build_response(metas, (0, 1, 2), ())
     assert response.error is None
-    assert response.op == OpType.ALLREDUCE
-    assert response.shapes == ((4, 2),)
-    assert response.dtype == "float32"
-    assert response.reduce_op == ReduceOp.SUM
-    assert response.prescale == 2.0
-    assert response.name == "allreduce.w"
+    assert response.meta.op == OpType.ALLREDUCE
+    assert response.meta.shapes == ((4, 2),)
+    assert response.meta.dtype == "float32"
+    assert response.meta.reduce_op == ReduceOp.SUM
+    assert response.meta.prescale == 2.0
+    assert response.meta.name == "allreduce.w"
     assert response.joined == ()
 
 
@@ -101,8 +101,9 @@ def test_fusion_mismatch() -> None:
 
 
 def test_the_agreed_response_keeps_the_requests_fusion() -> None:
-    assert build_response([_meta(0, fuse=False), _meta(1, fuse=False)], (0, 1), ()).fuse is False
-    assert build_response([_meta(0), _meta(1)], (0, 1), ()).fuse is True
+    unfused = [_meta(0, fuse=False), _meta(1, fuse=False)]
+    assert build_response(unfused, (0, 1), ()).meta.fuse is False
+    assert build_response([_meta(0), _meta(1)], (0, 1), ()).meta.fuse is True
 
 
 def test_group_size_mismatch() -> None:

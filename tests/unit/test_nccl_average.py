@@ -23,10 +23,11 @@ from baguahvd.backends import cuda_support
 from baguahvd.backends import nccl as backend
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.execution import execute
-from baguahvd.engine.messages import OpType, RequestMeta, Response, dtype_name
+from baguahvd.engine.messages import OpType, RequestMeta, dtype_name
 from baguahvd.engine.requests import Request
 from tests.fakes import fake_mpi
 from tests.fakes.fake_cupy import NCCL_OPS, NCCL_TYPES, FakeCupy
+from tests.fakes.responses import agreed
 
 pytestmark = pytest.mark.bookkeeping
 
@@ -87,7 +88,7 @@ def _allreduce(
 ) -> tuple[list[torch.Tensor], _Ops]:
     dtype = dtype_name(tensors[0].dtype)
     shapes = tuple(tuple(t.shape) for t in tensors)
-    response = Response(
+    response = agreed(
         key="allreduce.g", name="allreduce.g", op=OpType.ALLREDUCE, process_set_id=0,
         dtype=dtype, shapes=shapes, device="GPU", **{"reduce_op": ReduceOp.AVERAGE, **fields},
     )
@@ -208,7 +209,7 @@ def _reducescatter(
 ) -> tuple[list[torch.Tensor], _Ops]:
     dtype = dtype_name(tensor.dtype)
     shapes = (tuple(tensor.shape),)
-    response = Response(
+    response = agreed(
         key="reducescatter.r", name="reducescatter.r", op=OpType.REDUCESCATTER,
         process_set_id=0, dtype=dtype, shapes=shapes, device="GPU",
         **{"reduce_op": ReduceOp.AVERAGE, **fields},

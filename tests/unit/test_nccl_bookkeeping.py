@@ -28,6 +28,7 @@ from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.requests import Request
 from tests.fakes import fake_mpi
 from tests.fakes.fake_cupy import NCCL_OPS, NCCL_STREAM_BASE, NCCL_TYPES, FakeCupy, installed
+from tests.fakes.responses import agreed, redescribed
 
 pytestmark = pytest.mark.bookkeeping
 
@@ -470,7 +471,7 @@ def test_reduce_scatter_of_uneven_blocks_reduces_each_block_to_its_rank(
 
 
 def _response(shapes: tuple[tuple[int, ...], ...]) -> Response:
-    return Response(
+    return agreed(
         key="allreduce.g", name="allreduce.g", op=OpType.ALLREDUCE, process_set_id=0,
         dtype="float32", shapes=shapes, device="GPU", reduce_op=ReduceOp.SUM,
     )
@@ -497,7 +498,7 @@ def test_fused_allreduce_is_one_nccl_call_on_the_fusion_buffer(fake: FakeCupy) -
 def test_a_joined_member_puts_its_zeros_on_the_communicators_gpu(fake: FakeCupy) -> None:
     comm = _bound(fake, size=2)
     assert execute._joined_device(comm, _response(((3,),))) == DEVICE
-    cpu = _response(((3,),))._replace(device="CPU")
+    cpu = redescribed(_response(((3,),)), device="CPU")
     assert execute._joined_device(comm, cpu) == torch.device("cpu")
 
 

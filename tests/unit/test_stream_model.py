@@ -21,6 +21,7 @@ from baguahvd.engine.messages import OpType, RequestMeta, Response, dtype_name
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
 from tests.fakes import fake_mpi
+from tests.fakes.responses import agreed, redescribed
 from tests.fakes.stream_model import (
     HOST,
     ModelEvent,
@@ -184,7 +185,7 @@ class Rank:
 
 
 def response(op: OpType, shapes: tuple[tuple[int, ...], ...], **fields: object) -> Response:
-    return Response(key=f"{op.name}.t", name=f"{op.name}.t", op=op, process_set_id=0,
+    return agreed(key=f"{op.name}.t", name=f"{op.name}.t", op=op, process_set_id=0,
                     dtype="float32", shapes=shapes, device="GPU", **fields)  # type: ignore[arg-type]
 
 
@@ -302,7 +303,7 @@ def allreduce_unit(rank: Rank, name: str, *shapes: tuple[int, ...]) -> tuple[
     """An allreduce of user tensors (fused when several), submitted on the current stream."""
     inputs = user_tensors(*shapes)
     request = rank.submit(OpType.ALLREDUCE, inputs, [torch.empty_like(t) for t in inputs])
-    entry = response(OpType.ALLREDUCE, tuple(shapes))._replace(key=name, name=name)
+    entry = redescribed(response(OpType.ALLREDUCE, tuple(shapes)), key=name, name=name)
     return request, inputs, [(entry, request)]
 
 

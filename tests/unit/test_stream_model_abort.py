@@ -24,6 +24,7 @@ from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
 from tests.fakes import fake_mpi
+from tests.fakes.responses import agreed
 from tests.fakes.stream_model import StreamModel, installed_model, on_thread
 
 pytestmark = pytest.mark.stream_model
@@ -75,7 +76,7 @@ class Rank:
         )
         request = Request(meta, inputs, outputs)
         self.dispatcher.submissions.mark(request)
-        response = Response(key=name, name=name, op=OpType.ALLREDUCE, process_set_id=0,
+        response = agreed(key=name, name=name, op=OpType.ALLREDUCE, process_set_id=0,
                             dtype="float32", shapes=tuple(shapes), device="GPU",
                             **fields)  # type: ignore[arg-type]
         return request, [(response, request)]

@@ -18,6 +18,7 @@ from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
 from tests.fakes import fake_mpi
+from tests.fakes.responses import agreed
 from tests.fakes.stream_model import StreamModel, installed_model, on_thread
 
 pytestmark = pytest.mark.stream_model
@@ -55,7 +56,7 @@ class TwoSets:
         )
         request = Request(meta, inputs, [torch.empty_like(t) for t in inputs])
         self.dispatcher.submissions.mark(request)
-        response = Response(key=name, name=name, op=OpType.ALLREDUCE, process_set_id=ident,
+        response = agreed(key=name, name=name, op=OpType.ALLREDUCE, process_set_id=ident,
                             dtype="float32", shapes=tuple(shapes), device="GPU")
         return request, [(response, request)]
 

@@ -14,6 +14,7 @@ from baguahvd.engine.execution.dispatch import Dispatcher
 from baguahvd.engine.messages import OpType, RequestMeta, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Request
+from tests.fakes.responses import agreed
 from tests.fakes.stream_model import StreamModel, installed_model, on_thread
 from tests.unit.test_stream_model import CUDA, GPU, SEEDS
 
@@ -44,7 +45,7 @@ def _request(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> Request
 
 
 def _response(shapes: tuple[tuple[int, ...], ...]) -> Response:
-    return Response(key="allreduce.t", name="allreduce.t", op=OpType.ALLREDUCE,
+    return agreed(key="allreduce.t", name="allreduce.t", op=OpType.ALLREDUCE,
                     process_set_id=0, dtype="float32", shapes=shapes, device="GPU")
 
 

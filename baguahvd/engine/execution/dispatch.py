@@ -138,10 +138,10 @@ class Dispatcher:
         """Runs one agreed unit on this rank (engine thread); raises what it raised. Its
         handles complete once it has run, or, for a device unit, in :attr:`pending`."""
         response = unit[0][0]
-        state = self.process_sets.get(response.process_set_id)
+        state = self.process_sets.get(response.meta.process_set_id)
         if state is None or state.comm is None:
             return
-        if response.device != "CPU" and response.error is None:
+        if response.meta.device != "CPU" and response.error is None:
             if not self.capture_relaxed:
                 self.capture_relaxed = cuda_support.relax_capture_mode()
             self.execute_ordered(
@@ -178,11 +178,11 @@ class Dispatcher:
             getattr(comm, "device", None) or self.submissions.user_device
             or cuda_support.thread_cuda_device()
         )
-        name = unit[0][0].name
+        name = unit[0][0].meta.name
         with ordered(device, marks, name) as launched:
             run = _Run(buffers, split=True)
             outcomes = self.execute(unit, comm, run)
-            if unit[0][0].op != OpType.ALLREDUCE:  # made for the submitters (see ordered)
+            if unit[0][0].meta.op != OpType.ALLREDUCE:  # made for the submitters (see ordered)
                 launched.produced.extend(t for outcome in outcomes for t in outcome.result or ())
         rest = run.rest
         then: Callable[[], object] | None = None
@@ -210,7 +210,7 @@ class Dispatcher:
             response = response._replace(last_joined=self.rank)
         comm = state.comm if state.comm is not None else SelfCommunicator()
         if self.timeline is not None and self.timeline.active:
-            self.timeline.queued(response.name, response.op, request.activity)
+            self.timeline.queued(response.meta.name, response.meta.op, request.activity)
         try:
             if self.single_rank_nccl and self._through_nccl(request, state):
                 assert state.device_comm is not None
@@ -230,9 +230,9 @@ class Dispatcher:
                     )
                 deliver(outcomes, self.timeline)
         except Exception as exc:  # noqa: BLE001 - reported through the handle
-            logger.exception("%s failed", response.name)
+            logger.exception("%s failed", response.meta.name)
             cause = exc.error if isinstance(exc, CollectiveFailure) else exc
-            error = HorovodInternalError(f"{response.name} failed: {cause}")
+            error = HorovodInternalError(f"{response.meta.name} failed: {cause}")
             deliver([Outcome(request, error=keep_named(cause, error))], self.timeline)
 
     def _execute_host_staged(
@@ -328,13 +328,13 @@ class Dispatcher:
             return self._execute_on(unit, comm, None, run)
         response = unit[0][0]
         traced = [request.meta.name for _, request in unit if request is not None]
-        transport = transport_activity(response.op, response.device)
+        transport = transport_activity(response.meta.op, response.meta.device)
 
         def phase(activity: str) -> None:
             for name in traced:
                 timeline.phase(name, transport if activity == "COMMUNICATE" else activity)
 
-        if response.op != OpType.ALLREDUCE:
+        if response.meta.op != OpType.ALLREDUCE:
             phase("COMMUNICATE")
         return self._execute_on(unit, comm, phase, run)
 
@@ -347,7 +347,7 @@ class Dispatcher:
         if response.error is not None:
             return [Outcome(request, error=MismatchError(response.error))
                     for request in requests]
-        op = response.op
+        op = response.meta.op
         if op == OpType.ALLREDUCE:
             run.rest = execute.allreduce(
                 comm, unit, run.buffers, phase, self.submissions.user_device, split=run.split,
@@ -357,10 +357,10 @@ class Dispatcher:
         if op == OpType.BARRIER:
             comm.barrier()
         elif op == OpType.ADD_PROCESS_SET:
-            ident = self._registry().register(response.payload)
+            ident = self._registry().register(response.meta.payload)
             return [Outcome(request, extra=ident) for request in requests]
         elif op == OpType.REMOVE_PROCESS_SET:
-            self._registry().remove(response.payload[0])
+            self._registry().remove(response.meta.payload[0])
         elif op == OpType.JOIN:
             return [Outcome(request, extra=response.last_joined) for request in requests]
         if not requests:

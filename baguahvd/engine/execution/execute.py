@@ -74,13 +74,13 @@ def _factors(response: Response, comm: Communicator) -> tuple[ReduceOp, float, f
     otherwise it is SUM with the postscale divided by the group size: one scaling pass after
     the reduction either way. The prescale applies to the inputs in both cases.
     """
-    op = response.reduce_op
-    post = response.postscale
+    op = response.meta.reduce_op
+    post = response.meta.postscale
     if op == ReduceOp.AVERAGE:
-        if post == 1.0 and comm.reduces_average(DTYPES[response.dtype]):
-            return ReduceOp.AVERAGE, response.prescale, 1.0
-        return ReduceOp.SUM, response.prescale, post / comm.size
-    return op, response.prescale, post
+        if post == 1.0 and comm.reduces_average(DTYPES[response.meta.dtype]):
+            return ReduceOp.AVERAGE, response.meta.prescale, 1.0
+        return ReduceOp.SUM, response.meta.prescale, post / comm.size
+    return op, response.meta.prescale, post
 
 
 def _joined_device(
@@ -89,7 +89,7 @@ def _joined_device(
     """Where a member that joined puts its zeros: the GPU its communicator uses, else the
     one its user thread submitted from (never the engine thread's own current device, which
     is GPU 0 until a device collective selects one)."""
-    if response.device == "CPU":
+    if response.meta.device == "CPU":
         return torch.device("cpu")
     device = getattr(comm, "device", None)
     if isinstance(device, torch.device):
@@ -107,7 +107,7 @@ def _inputs_outputs(
     if request is None:
         # A member that joined: it contributes zeros and keeps nothing.
         device = _joined_device(comm, response, user_device)
-        zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape in response.shapes]
+        zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape in response.meta.shapes]
         return zeros, zeros
     assert request.outputs is not None
     return request.inputs, request.outputs
@@ -141,19 +141,19 @@ def allreduce(
     if phase is None:
         phase = _no_phase
     first = entries[0][0]
-    dtype = DTYPES[first.dtype]
-    if first.reduce_op == ReduceOp.ADASUM:
+    dtype = DTYPES[first.meta.dtype]
+    if first.meta.reduce_op == ReduceOp.ADASUM:
         phase("COMMUNICATE")
         targets: list[torch.Tensor] = []
         results: list[torch.Tensor] = []
         for entry in entries:
             for tensor_in, tensor_out in zip(*_inputs_outputs(entry, dtype, comm, user_device)):
                 if not split:
-                    adasum(comm, tensor_in, tensor_out, first.prescale, first.postscale)
+                    adasum(comm, tensor_in, tensor_out, first.meta.prescale, first.meta.postscale)
                     continue
                 # Into a tensor of its own, copied out with the rest.
                 result = torch.empty_like(tensor_out)
-                adasum(comm, tensor_in, result, first.prescale, first.postscale)
+                adasum(comm, tensor_in, result, first.meta.prescale, first.meta.postscale)
                 targets.append(tensor_out)
                 results.append(result)
         return (lambda: _copy_all(targets, results)) if split else None
@@ -169,7 +169,7 @@ def allreduce(
             zeros, _ = _inputs_outputs(entry, dtype, comm, user_device)
             inputs += zeros
             outputs += zeros
-    if len(inputs) == 1 or not first.fuse:
+    if len(inputs) == 1 or not first.meta.fuse:
         phase("COMMUNICATE")
         rests = [
             rest
@@ -185,8 +185,8 @@ def allreduce(
 
         return rest_of_all
     phase("MEMCPY_IN_FUSION_BUFFER")
-    shapes = tuple(shape for entry in entries for shape in entry[0].shapes)
-    buffer, views = buffers.views(dtype, inputs[0].device, shapes, first.device == "CPU")
+    shapes = tuple(shape for entry in entries for shape in entry[0].meta.shapes)
+    buffer, views = buffers.views(dtype, inputs[0].device, shapes, first.meta.device == "CPU")
     nbytes = buffer.numel() * buffer.element_size()
     # One call each way rather than a copy per tensor: fewer GIL round trips while the
     # training thread is busy submitting.
@@ -309,9 +309,9 @@ def allgather(comm: Communicator, response: Response, request: Request) -> list[
 def broadcast(comm: Communicator, response: Response, request: Request) -> list[torch.Tensor]:
     assert request.outputs is not None
     tensor_in, tensor_out = request.inputs[0], request.outputs[0]
-    if comm.rank == response.root and tensor_out is not tensor_in:
+    if comm.rank == response.meta.root and tensor_out is not tensor_in:
         tensor_out.copy_(tensor_in)
-    comm.broadcast(tensor_out, response.root)
+    comm.broadcast(tensor_out, response.meta.root)
     return [tensor_out]
 
 

@@ -63,30 +63,30 @@ def plan_fusion(
     prod = math.prod
     for entry in entries:
         response = entry[0]
-        shapes = response.shapes
+        shapes = response.meta.shapes
         if (
-            response.op != _ALLREDUCE
+            response.meta.op != _ALLREDUCE
             or response.error is not None
-            or response.reduce_op == _ADASUM
-            or not response.fuse
+            or response.meta.reduce_op == _ADASUM
+            or not response.meta.fuse
             or (disable_group_fusion and len(shapes) > 1)
         ):
             units.append([entry])
             continue
         key = (
-            response.process_set_id,
-            response.dtype,
-            response.reduce_op,
-            response.prescale,
-            response.postscale,
-            response.device,
+            response.meta.process_set_id,
+            response.meta.dtype,
+            response.meta.reduce_op,
+            response.meta.prescale,
+            response.meta.postscale,
+            response.meta.device,
         )
         count = prod(shapes[0]) if len(shapes) == 1 else sum(map(prod, shapes))
-        nbytes = count * ITEMSIZES[response.dtype]
-        if unfused and len(shapes) == 1 and response.device == "CPU":
-            alone = unfused.get(response.process_set_id, 0)
+        nbytes = count * ITEMSIZES[response.meta.dtype]
+        if unfused and len(shapes) == 1 and response.meta.device == "CPU":
+            alone = unfused.get(response.meta.process_set_id, 0)
             if 0 < alone <= nbytes:
-                _insert_ahead(units, [entry], fused, response.process_set_id)
+                _insert_ahead(units, [entry], fused, response.meta.process_set_id)
                 continue
         found = open_units.get(key)
         if found is not None and found[1] + nbytes <= threshold:
@@ -109,7 +109,7 @@ def _insert_ahead(
     position = len(units)
     for index in range(len(units) - 1, -1, -1):
         other = units[index]
-        if other[0][0].process_set_id != process_set_id:
+        if other[0][0].meta.process_set_id != process_set_id:
             continue
         if id(other) not in fused:
             break

@@ -47,8 +47,9 @@ def may_cache(op: OpType, key: str) -> bool:
     return op in DATA_OPS and not is_unnamed(key)
 
 
-def cache_key(item: RequestMeta | Response) -> Hashable | None:
-    """The key a request (or the response it got) is cached under, None if never cached:
+def cache_key(item: RequestMeta) -> Hashable | None:
+    """The key a request (or the response it got, by its ``meta``) is cached under, None if
+    never cached:
     the negotiation key of a named data collective; for an unnamed allreduce or broadcast of
     the global set, everything its response holds besides its name, the same on every
     rank."""
@@ -74,7 +75,7 @@ def request_signature(meta: RequestMeta) -> tuple[object, ...]:
 
 def response_cacheable(response: Response) -> bool:
     """Whether every rank caches ``response`` once it has run."""
-    return response.error is None and not response.joined and cache_key(response) is not None
+    return response.error is None and not response.joined and cache_key(response.meta) is not None
 
 
 class Lookup(enum.Enum):
@@ -133,7 +134,7 @@ class ResponseCache:
         if self.capacity == 0:
             return []
         evicted = []
-        ident = (response.process_set_id, response.key if key is None else key)
+        ident = (response.meta.process_set_id, response.meta.key if key is None else key)
         old = self._slots.get(ident)
         if old is not None:
             self.evict(old)
@@ -170,14 +171,14 @@ class ResponseCache:
         entry = self._entries.pop(slot, None)
         if entry is None:
             return
-        del self._slots[(entry.response.process_set_id, entry.key)]
+        del self._slots[(entry.response.meta.process_set_id, entry.key)]
         del self._recent[slot]
         self.not_member &= ~(1 << slot)
         heapq.heappush(self._free, slot)
 
     def evict_process_set(self, process_set_id: int) -> None:
         for slot in [s for s, e in self._entries.items()
-                     if e.response.process_set_id == process_set_id]:
+                     if e.response.meta.process_set_id == process_set_id]:
             self.evict(slot)
 
     def clear(self) -> None:

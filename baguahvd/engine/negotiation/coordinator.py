@@ -76,16 +76,10 @@ class Coordinator:
             submitted = self.table[ident]
             process_set = process_sets.get(ident[0])
             if process_set is None:
-                metas = list(submitted.values())
-                responses.append(
-                    Response(
-                        key=metas[0].key,
-                        name=metas[0].name,
-                        op=metas[0].op,
-                        process_set_id=ident[0],
-                        error=f"{metas[0].name}: process set {ident[0]} was removed.",
-                    )
-                )
+                first = next(iter(submitted.values()))
+                removed = RequestMeta(first.key, first.name, first.op, ident[0], first.rank)
+                error = f"{first.name}: process set {ident[0]} was removed."
+                responses.append(Response(removed, error=error))
                 self._forget(ident)
                 continue
             missing = [r for r in process_set.ranks if r not in submitted and r not in joined]
@@ -96,19 +90,13 @@ class Coordinator:
             responses.append(build_response(metas, process_set.ranks, absent))
             self._forget(ident)
         if len(self.joined) == world_size:
-            responses.append(
-                Response(
-                    key=JOIN_KEY,
-                    name="join",
-                    op=OpType.JOIN,
-                    process_set_id=GLOBAL_PROCESS_SET_ID,
-                    last_joined=self.joined[-1],
-                )
-            )
+            last = self.joined[-1]
+            join = RequestMeta(JOIN_KEY, "join", OpType.JOIN, GLOBAL_PROCESS_SET_ID, last)
+            responses.append(Response(join, last_joined=last))
             self.joined = []
         if self.timeline is not None and self.timeline.active:
             for response in responses:
-                self.timeline.negotiation_ended(response.name, response.op)
+                self.timeline.negotiation_ended(response.meta.name, response.meta.op)
         return responses
 
     def _forget(self, ident: tuple[int, str]) -> None:

@@ -252,7 +252,7 @@ class Negotiator:
         sent = self.sent.pop
         entries: list[Entry] = []
         for response in responses:
-            request = sent((response.process_set_id, response.key), None)
+            request = sent((response.meta.process_set_id, response.meta.key), None)
             if request is not None and self.unnamed_pending and _counted(request.meta):
                 self.unnamed_pending -= 1
             entries.append((response, request))
@@ -265,7 +265,8 @@ class Negotiator:
         for index, (response, request) in enumerate(entries):
             if request is not None and _counted(request.meta):
                 meta = request.meta
-                entries[index] = (response._replace(key=meta.key, name=meta.name), request)
+                named = response.meta._replace(key=meta.key, name=meta.name)
+                entries[index] = (response._replace(meta=named), request)
                 self.unnamed_pending -= 1
         if not self._head_waits():
             return
@@ -329,10 +330,10 @@ class Negotiator:
         same order, so the caches stay identical."""
         if not response_cacheable(response):
             return
-        state = self.process_sets.get(response.process_set_id)
+        state = self.process_sets.get(response.meta.process_set_id)
         if state is None:
             return
-        key = cache_key(response)
+        key = cache_key(response.meta)
         signature = None if request is None else request_signature(request.meta)
         for slot in self.cache.put(response, signature, state.includes(self.rank), key):
             # A request admitted as a hit on an entry that is now gone (ranks admit requests
