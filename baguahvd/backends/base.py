@@ -249,6 +249,13 @@ class ControlPlane(abc.ABC):
     def free(self) -> None:  # noqa: B027 - optional hook
         """Releases the underlying resources."""
 
+    def collective_failed(self) -> bool:
+        """Whether a collective of this control plane or of its data communicators has
+        failed on this rank: the job is ending then, and a peer whose process is gone is
+        the likely cause, which the watchdog may name at once. Callable from any thread.
+        The default (MPI, which does not say) is False."""
+        return False
+
     def end_process(self, status: int) -> None:
         """Ends this process with ``status`` once every rank has reached the exit barrier:
         the transport is shut down cleanly first, since the peers are leaving too. The

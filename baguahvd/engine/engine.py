@@ -208,6 +208,7 @@ class Engine:
             self.rank, identities, lambda: self._loop.cycles, self._peer_lost,
             self.config.peer_timeout_s,
             poll=self._check_alarm if self.control.threads_multiple else None,
+            failed=self.control.collective_failed,
         )
         self._thread.start()
         self._watchdog.start()

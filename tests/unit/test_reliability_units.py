@@ -511,3 +511,33 @@ def test_the_watchdog_names_the_neighbour_that_died_first() -> None:
         for child in (first, second):
             child.kill()
             child.wait()
+
+
+def test_the_watchdog_names_a_gone_neighbour_at_once_only_once_a_collective_failed() -> None:
+    # A neighbour that is gone while no collective of this rank failed may have ended
+    # normally: it is named only after a second without progress. Once a collective failed
+    # (gloo: the neighbour's connection closed), at once. The clock moves 10 ms a tick.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        me = process_identity()
+        identities = [me, [child.pid, _identity_of(child.pid), me[2]]]
+        child.kill()
+        child.wait()
+        ticks = iter(range(10**9))
+        failed: list[bool] = []
+        failures: list[int] = []
+        watchdog = Watchdog(0, identities, lambda: 0, lambda rank, why: failures.append(rank),
+                            timeout_s=0.0, failed=lambda: bool(failed),
+                            clock=lambda: 0.01 * next(ticks))
+        watchdog.start()
+        time.sleep(0.5)
+        assert failures == []
+        failed.append(True)
+        deadline = time.monotonic() + 10
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.02)
+        watchdog.stop()
+        assert failures == [1]
+    finally:
+        child.kill()
+        child.wait()

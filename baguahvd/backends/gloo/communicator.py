@@ -13,6 +13,7 @@ reduce-scatter wants equal blocks too, so unequal ones are reduced in full and s
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -72,9 +73,15 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().view(-1)
 
 
-def wait(work: Any) -> None:
-    """Waits for gloo ``work``; gloo's wait releases the GIL while it blocks."""
-    work.wait()
+def wait(work: Any, failed: threading.Event | None = None) -> None:
+    """Waits for gloo ``work``; gloo's wait releases the GIL while it blocks. A failure
+    (a peer's connection closed, a timeout) is raised after setting ``failed``."""
+    try:
+        work.wait()
+    except RuntimeError:
+        if failed is not None:
+            failed.set()
+        raise
 
 
 class StoreIdChannel:
@@ -119,12 +126,17 @@ class GlooCommunicator(Communicator):
     from a call of their own: at 8 MiB a tensor alone beats the copies through the fusion
     buffer, at 2 MiB fusing still wins (``benchmarks/results/shared_memory/NOTES.md``)."""
 
-    def __init__(self, group: Any, store: Any = None) -> None:
+    def __init__(
+        self, group: Any, store: Any = None, failed: threading.Event | None = None
+    ) -> None:
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
         self.store = store
         """The store of this group's members (None where the group was made without one)."""
+        self.failed = failed
+        """Set when a collective of this communicator fails (shared by a job's groups:
+        :attr:`GlooWorld.failed <baguahvd.backends.gloo.setup.GlooWorld.failed>`)."""
         self._unique_ids = 0
 
     def id_channel(self) -> StoreIdChannel:
@@ -139,7 +151,7 @@ class GlooCommunicator(Communicator):
 
     def allreduce(self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp) -> None:
         work, wide = self._start_allreduce(tensor_in, tensor_out, op)
-        wait(work)
+        wait(work, self.failed)
         if wide is not None:
             _flat(tensor_out).copy_(wide)
 
@@ -168,7 +180,7 @@ class GlooCommunicator(Communicator):
             _bytes(tensor_in.contiguous())[: counts[self.rank] * item]
         )
         blocks = [torch.empty(block, dtype=torch.uint8) for _ in range(self.size)]
-        wait(self.group.allgather([blocks], [mine]))
+        wait(self.group.allgather([blocks], [mine]), self.failed)
         out = _bytes(tensor_out)
         offset = 0
         for count, received in zip(counts, blocks):
@@ -179,7 +191,7 @@ class GlooCommunicator(Communicator):
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         options = dist.BroadcastOptions()
         options.rootRank = root
-        wait(self.group.broadcast([_bytes(_contiguous(tensor))], options))
+        wait(self.group.broadcast([_bytes(_contiguous(tensor))], options), self.failed)
 
     def alltoall(
         self,
@@ -192,7 +204,8 @@ class GlooCommunicator(Communicator):
         recv = byte_counts(tensor_in, recv_counts)
         source = _bytes(tensor_in.contiguous())[: sum(send)]
         target = _bytes(_contiguous(tensor_out))[: sum(recv)]
-        wait(self.group.alltoall_base(target, source, recv, send, dist.AllToAllOptions()))
+        work = self.group.alltoall_base(target, source, recv, send, dist.AllToAllOptions())
+        wait(work, self.failed)
 
     def reduce_scatter(
         self,
@@ -210,11 +223,11 @@ class GlooCommunicator(Communicator):
     def sendrecv(self, tensor_out: torch.Tensor, tensor_in: torch.Tensor, peer: int) -> None:
         sent = self.group.send([_bytes(tensor_out.contiguous())], peer, 0)
         received = self.group.recv([_bytes(_contiguous(tensor_in))], peer, 0)
-        wait(sent)
-        wait(received)
+        wait(sent, self.failed)
+        wait(received, self.failed)
 
     def barrier(self) -> None:
-        wait(self.group.barrier())
+        wait(self.group.barrier(), self.failed)
 
     def iallreduce(
         self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp
@@ -224,12 +237,14 @@ class GlooCommunicator(Communicator):
         then."""
         work, wide = self._start_allreduce(tensor_in, tensor_out, op)
         if wide is None:
-            return PendingWork(work, (tensor_in, tensor_out))
-        return PendingWork(work, (wide,), lambda: _flat(tensor_out).copy_(wide))
+            return PendingWork(work, (tensor_in, tensor_out), failed=self.failed)
+        return PendingWork(
+            work, (wide,), lambda: _flat(tensor_out).copy_(wide), failed=self.failed
+        )
 
     def ibarrier(self) -> PendingWork:
         """Starts :meth:`barrier` without waiting."""
-        return PendingWork(self.group.barrier(), ())
+        return PendingWork(self.group.barrier(), (), failed=self.failed)
 
     def free(self) -> None:
         self.group = None
@@ -250,16 +265,18 @@ class PendingWork:
         work: Any,
         keep_alive: tuple[torch.Tensor, ...],
         finish: Callable[[], object] | None = None,
+        failed: threading.Event | None = None,
     ) -> None:
         self._work = work
         self._keep_alive = keep_alive
         self._finish = finish
+        self._failed = failed
         self._done = False
 
     def test(self) -> bool:
         """Whether the collective has completed (its output is then in place)."""
         if not self._done and self._work.is_completed():
-            self._work.wait()  # raises the collective's error, if any
+            wait(self._work, self._failed)  # raises the collective's error, if any
             self._done = True
             if self._finish is not None:
                 self._finish()
@@ -267,7 +284,9 @@ class PendingWork:
         return self._done
 
 
-def poll(work: Any, waiting: Callable[[], None] | None) -> None:
+def poll(
+    work: Any, waiting: Callable[[], None] | None, failed: threading.Event | None = None
+) -> None:
     """Waits for gloo ``work`` by testing between short sleeps (which leave the CPU and the
     GIL to others); ``waiting()`` is called between tests once the wait is no longer short
     and may raise to give up.
@@ -288,6 +307,8 @@ def poll(work: Any, waiting: Callable[[], None] | None) -> None:
     try:
         work.wait()
     except RuntimeError:
+        if failed is not None:
+            failed.set()
         if waiting is None:
             raise
         deadline = time.monotonic() + ATTRIBUTION_S

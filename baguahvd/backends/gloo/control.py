@@ -67,7 +67,8 @@ class GlooControlPlane(ControlPlane):
         """The bitwise AND of the ``uint8`` vector ``words`` over all ranks; waits by
         testing between short sleeps and calls ``waiting()`` meanwhile, like the MPI one."""
         result = torch.from_numpy(np.array(words, dtype=np.uint8, copy=True))
-        poll(self._group.allreduce([result], reduce_options(dist.ReduceOp.BAND)), waiting)
+        work = self._group.allreduce([result], reduce_options(dist.ReduceOp.BAND))
+        poll(work, waiting, self.world.failed)
         return result.numpy()
 
     def gather(self, payload: Any) -> list[Any] | None:
@@ -75,7 +76,7 @@ class GlooControlPlane(ControlPlane):
         Each message is padded to the longest (found by a MAX allreduce first)."""
         data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         longest = torch.tensor([len(data)], dtype=torch.int64)
-        wait(self._group.allreduce([longest], reduce_options(dist.ReduceOp.MAX)))
+        wait(self._group.allreduce([longest], reduce_options(dist.ReduceOp.MAX)), self.world.failed)
         width = 8 + int(longest.item())
         mine = torch.zeros(width, dtype=torch.uint8)
         mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
@@ -83,10 +84,10 @@ class GlooControlPlane(ControlPlane):
         options = dist.GatherOptions()
         options.rootRank = 0
         if self.rank != 0:
-            wait(self._group.gather([], [mine], options))
+            wait(self._group.gather([], [mine], options), self.world.failed)
             return None
         blocks = [torch.empty(width, dtype=torch.uint8) for _ in range(self.size)]
-        wait(self._group.gather([blocks], [mine], options))
+        wait(self._group.gather([blocks], [mine], options), self.world.failed)
         result = []
         for block in blocks:
             length = int(block[:8].view(torch.int64).item())
@@ -99,18 +100,18 @@ class GlooControlPlane(ControlPlane):
         options.rootRank = 0
         data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else b""
         length = torch.tensor([len(data)], dtype=torch.int64)
-        wait(self._group.broadcast([length], options))
+        wait(self._group.broadcast([length], options), self.world.failed)
         buffer = torch.empty(int(length.item()), dtype=torch.uint8)
         if self.rank == 0:
             buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        wait(self._group.broadcast([buffer], options))
+        wait(self._group.broadcast([buffer], options), self.world.failed)
         return payload if self.rank == 0 else pickle.loads(buffer.numpy().tobytes())
 
     def allgather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length everywhere), by rank."""
         mine = torch.tensor(list(values), dtype=torch.int64)
         blocks = [torch.empty_like(mine) for _ in range(self.size)]
-        wait(self._group.allgather([blocks], [mine]))
+        wait(self._group.allgather([blocks], [mine]), self.world.failed)
         return [block.tolist() for block in blocks]
 
     def create_group_comm(self, ranks: Sequence[int]) -> GlooCommunicator | None:
@@ -195,6 +196,9 @@ class GlooControlPlane(ControlPlane):
         for handler in logging.getLogger("baguahvd").handlers:
             handler.flush()
         os._exit(code)
+
+    def collective_failed(self) -> bool:
+        return self.world.failed.is_set()
 
     def free(self) -> None:
         self._group = None

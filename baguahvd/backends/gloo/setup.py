@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,6 +67,8 @@ class GlooWorld:
         self.namespace = f"baguahvd/{restart}/{generation}"
         self.store = dist.PrefixStore(self.namespace + "/", store)
         self._made: dict[tuple[str, tuple[int, ...]], int] = {}
+        self.failed = threading.Event()
+        """Set once a collective of any group of this world failed on this rank."""
 
     def group(self, ranks: Sequence[int], purpose: str) -> Any:
         """A ``ProcessGroupGloo`` of ``ranks`` (sorted job ranks, this rank among them),
@@ -98,7 +101,7 @@ class GlooWorld:
         if self.rank not in members:
             return None
         group, store = self._group(members, purpose)
-        return GlooCommunicator(group, store)
+        return GlooCommunicator(group, store, self.failed)
 
 
 def connect_store(launch: Launch, timeout_s: float) -> Any:

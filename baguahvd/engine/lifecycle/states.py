@@ -252,7 +252,7 @@ class Lifecycle:
         ``PeerFailureError(this rank, reason)``. A peer that does not acknowledge within
         ``exit_timeout_s`` cannot hear it (its engine thread is blocked inside MPI and MPI
         lets no other thread in: HOROVOD_MPI_THREADS_DISABLE=1; or it is frozen): MPI_Abort
-        then ends the job.
+        then ends the job. A peer the watchdog finds gone meanwhile is not waited for.
         """
         peers = [r for r in range(self.size) if r != self.rank]
         self.control.raise_alarm(Notice(NoticeKind.FAILURE, self.rank, reason), peers)
@@ -260,6 +260,8 @@ class Lifecycle:
         missing = set(peers)
         while True:
             missing -= self.control.acknowledged()
+            with self._lock:
+                missing -= self.gone  # a dead peer (the watchdog's finding) never answers
             if not missing:
                 return
             if time.monotonic() >= deadline:

@@ -3,10 +3,17 @@
 Negotiation cycles run every few milliseconds on every rank, idle or not, and each one ends
 only once every rank has reached it. A rank that dies stops them all: its peers wait in MPI
 and, without help, forever (Open MPI's launcher ends the job when a rank dies abnormally,
-other launchers may not). A daemon thread per rank watches the cycle counter; once it has
-stood still for a second it checks whether the peers on this node are still alive (by pid
+other launchers may not). A daemon thread per rank watches the cycle counter; from the
+first tick without progress it looks whether the peers on this node are still alive (by pid
 and process start time, so a reused pid does not fool it), and after ``peer_timeout_s``
 without any progress it gives up on the peers, wherever they run.
+
+A peer found gone is named once the cycles have stood still for a second: a peer that ended
+normally is gone too, after the last cycle, while this rank's engine thread may not have
+stopped its watchdog yet, and a second is far more than that takes even on a loaded
+machine. Where the transport says that a collective of this rank has failed (gloo does, the
+moment a peer's connection closes: ``failed``), the job is ending already, so a peer found
+gone is named at once.
 
 The same thread also looks for the alarm of a peer that failed in the middle of a cycle
 (the engine's ``poll`` callback, every tenth of a second): the engine thread may then be
@@ -99,6 +106,9 @@ class Watchdog:
         on_failure: told which rank failed (-1 when unknown) and why.
         timeout_s: seconds without progress before giving up on the peers.
         poll: called every tick (the engine's alarm check); None for nothing.
+        failed: whether a collective of this rank has failed (see the module docstring);
+            None where the transport does not say.
+        clock: the time in seconds (tests step their own).
     """
 
     def __init__(
@@ -109,6 +119,8 @@ class Watchdog:
         on_failure: Callable[[int, str], None],
         timeout_s: float,
         poll: Callable[[], None] | None = None,
+        failed: Callable[[], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         mine = identities[rank]
         self._neighbours = [
@@ -120,6 +132,8 @@ class Watchdog:
         self._on_failure = on_failure
         self._timeout_s = timeout_s
         self._poll = poll
+        self._failed = failed
+        self._clock = clock
         self._stopping = threading.Event()
         self._thread = threading.Thread(
             target=self._loop, name="baguahvd-watchdog", daemon=True
@@ -133,7 +147,7 @@ class Watchdog:
 
     def _loop(self) -> None:
         last = self._progress()
-        since = time.monotonic()
+        since = self._clock()
         # When each neighbour was first seen gone while the cycles stood still. Looking
         # from the first tick without progress, not only after _STUCK_S, lets the report
         # name the rank that died first rather than one that ended because of it.
@@ -146,7 +160,7 @@ class Watchdog:
                     logger.exception("the engine watchdog failed to look for alarms")
                     self._poll = None
             count = self._progress()
-            now = time.monotonic()
+            now = self._clock()
             if count != last:
                 last, since = count, now
                 gone_since.clear()
@@ -155,7 +169,8 @@ class Watchdog:
                 if rank not in gone_since and is_gone(pid, start_time):
                     gone_since[rank] = (now, pid)
             stuck = now - since
-            if stuck < _STUCK_S:
+            failed = self._failed is not None and bool(gone_since) and self._failed()
+            if stuck < _STUCK_S and not failed:
                 continue
             if gone_since:
                 rank = min(gone_since, key=lambda r: (gone_since[r][0], r))
