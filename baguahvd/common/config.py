@@ -469,6 +469,9 @@ class Launch:
     restart: int = 0
     """torchrun: how many times its agent restarted the workers
     (TORCHELASTIC_RESTART_COUNT); keys of earlier attempts stay in the agent's store."""
+    agent_run: str | None = None
+    """torchrun: the run id of the elastic agent that started this worker
+    (TORCHELASTIC_RUN_ID); ``None`` when no agent did (the agent may restart workers)."""
     rendezvous_host: str | None = None
     """horovodrun --gloo: its HTTP rendezvous server (HOROVOD_GLOO_RENDEZVOUS_ADDR)."""
     rendezvous_port: int | None = None
@@ -549,6 +552,7 @@ def launch_from_env(env: Mapping[str, str] | None = None) -> Launch:
             store_hosted_by_agent=env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower()
             in ("1", "true"),
             restart=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+            agent_run=env.get("TORCHELASTIC_RUN_ID", "").strip() or None,
             interface=interface,
         )
     return Launch(interface=interface)

@@ -42,6 +42,14 @@ itself and keeps them across failures and host changes. The ranks of one launch 
   or when a rank of it exits with a non-zero status, and starts ranks only for the slots no
   surviving rank fills. A rank that waits longer than :data:`ROUND_TIMEOUT_ENV` for a newer
   round raises an error naming the round it waited for.
+* When a rank is lost and ``--min-np`` allows it, the survivors go on at once in a round of
+  their own, and the process started for the lost slot joins later: it gets
+  :data:`JOIN_ENV` ``=1`` (and no rank variables), creates
+  ``<ELASTIC_DIR>/``:data:`READY_PREFIX` ``<launch>.<worker id>`` (empty) when it reaches
+  ``hvd.init()``, and waits there, as long as the launcher runs, for a round that names it.
+  The launcher then announces a host change (a notice whose version is one more and whose
+  hosts are unchanged, ``"result": "added"``), so that the survivors ask for a new round at
+  their next commit, and forms that round with the waiting processes that are ready.
 
 The ranks own the rest of the folder (see :mod:`baguahvd.torch.elastic.store`):
 
@@ -107,3 +115,8 @@ ROUND_ENV: Final = "BAGUAHVD_ELASTIC_ROUND"
 """In-process recovery: the round the rank was started for."""
 ROUND_TIMEOUT_ENV: Final = "BAGUAHVD_ELASTIC_ROUND_TIMEOUT"
 """In-process recovery: seconds a rank waits for the next round (``--elastic-timeout``)."""
+JOIN_ENV: Final = "BAGUAHVD_ELASTIC_JOIN"
+"""In-process recovery: ``1`` for a process started to join the running ranks at a later
+round; its ``hvd.init()`` waits for that round."""
+READY_PREFIX: Final = "round-ready."
+"""In-process recovery: prefix of a waiting process's notice that it is ready to join."""

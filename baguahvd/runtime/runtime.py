@@ -97,6 +97,8 @@ class Runtime:
             # collective re-initialisation that the departed peers would never join.
             if self.engine is not None:
                 return
+            # A process started to join a running elastic job waits here for its round.
+            gloo.await_admission()
             config = Config.from_env()
             if process_sets == "dynamic":
                 config = _with(config, dynamic_process_sets=True)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.elastic_job import run_training_ok
+from tests.support.elastic_job import launch_training, run_training_ok
 
 # Three ranks sum in an order that depends on which gradients one cycle fuses; unfused,
 # every run sums alike, and the weights can be compared bit for bit.
@@ -64,6 +64,39 @@ def test_a_killed_rank_is_replaced_while_the_survivor_keeps_running(
     assert "launch 2" not in output
     assert killed["sizes"] == [2] * 18
     assert_same_weights(reference2, killed)
+
+
+@pytest.mark.parallel
+def test_the_survivor_goes_on_alone_and_the_replacement_joins_at_a_commit(
+    tmp_path: pathlib.Path,
+) -> None:
+    out = tmp_path / "alone.pt"
+    result = launch_training(
+        ["--gloo", "--elastic", "-np", "2", "--min-np", "1"],
+        tmp_path,
+        {"KILL_RANK": "1", "KILL_STEP": "9", "JOIN_AT_COMMIT": "2", "EVERY_RANK": "1",
+         "OUT": str(out)},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert (
+        "round 1: rank 1 (status 137) failed (restart 1 of 3); 1 ranks kept, 0 started, "
+        "1 to join when ready" in output
+    ), output
+    # Rank 0 goes on alone from the commit at step 8 without waiting for the new process,
+    # which joins at the first commit after it is ready (the script waits for it at step
+    # 12), with the lost process's local rank (tagged [1]) and the state as committed.
+    assert "[0]<stdout>:launch 0: rank 0 of 1 starts at step 8" in output, output
+    assert "round 2: 1 ranks ready to join; 1 ranks kept, 1 joined, 0 started" in output, output
+    assert "[1]<stdout>:launch 0: rank 1 of 2 starts at step 12" in output, output
+    assert "launch 2" not in output
+    ranks = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(2)]
+    # Every sample of the three epochs once: 96 / 16 a step at two ranks, 96 / 8 alone.
+    assert ranks[0]["sizes"] == [2] * 8 + [1] * 4 + [2] * 8, ranks[0]["sizes"]
+    assert ranks[1]["sizes"] == ranks[0]["sizes"] and ranks[1]["steps"] == 20
+    assert ranks[0]["lr"] == ranks[1]["lr"] == pytest.approx(0.02)
+    for name, tensor in ranks[0]["model"].items():
+        assert torch.equal(tensor, ranks[1]["model"][name]), name
 
 
 @pytest.mark.parallel

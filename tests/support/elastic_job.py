@@ -7,8 +7,11 @@ writes the commits while the write of the commit at a given step runs in the bac
 model, so that writes take a while), or ask for a bigger job (``GROW_AT_STEP``), and saves
 its final weights to ``OUT``. Under ``--gloo`` (in-process recovery) faults are injected
 in the first round only, and ``KILL_IN_RESET_RANK`` kills that rank of round 1 in its reset
-callback, in the middle of the in-process reset. ``DEVICE=cuda`` trains on the GPUs (one
-per rank, by local rank). Used by
+callback, in the middle of the in-process reset. ``JOIN_AT_COMMIT=N`` makes a round of
+fewer than N ranks wait at its next commit (at most a minute) for the launcher's notice that
+a process started for a lost slot is ready, so that it joins there; ``EVERY_RANK=1`` saves
+every rank's final weights (``OUT.<rank>``). ``DEVICE=cuda`` trains on the GPUs (one per
+rank, by local rank). Used by
 ``tests/e2e/test_elastic.py`` and ``tests/e2e/test_elastic_faults.py``.
 """
 
@@ -47,6 +50,7 @@ KILL_RANK = int(os.environ.get("KILL_RANK", "-1"))
 KILL_STEP = int(os.environ.get("KILL_STEP", "-1"))
 GROW_AT_STEP = int(os.environ.get("GROW_AT_STEP", "-1"))
 KILL_IN_WRITE_STEP = int(os.environ.get("KILL_IN_WRITE_STEP", "-1"))
+JOIN_AT_COMMIT = int(os.environ.get("JOIN_AT_COMMIT", "0"))
 BALLAST = int(os.environ.get("BALLAST", "0"))
 OUT = os.environ["OUT"]
 
@@ -118,6 +122,11 @@ def train(state):
             state.sizes.append(hvd.size())
             sampler.record_batch(batch_idx, BATCH)
             if state.steps % COMMIT_EVERY == 0:
+                if hvd.size() < JOIN_AT_COMMIT:
+                    notice = os.path.join(os.environ["BAGUAHVD_ELASTIC_DIR"], "hosts.json")
+                    deadline = time.monotonic() + 60
+                    while not os.path.exists(notice) and time.monotonic() < deadline:
+                        time.sleep(0.05)
                 state.commit()
                 writer = state._writer
                 if first_try() and state.steps == KILL_IN_WRITE_STEP and writer and writer.busy:
@@ -130,10 +139,11 @@ def train(state):
 
 
 train(state)
-if hvd.rank() == 0:
+if hvd.rank() == 0 or os.environ.get("EVERY_RANK"):
     weights = {name: tensor.cpu() for name, tensor in model.state_dict().items()}
     torch.save({"model": weights, "steps": state.steps, "sizes": state.sizes,
-                "lr": optimizer.param_groups[0]["lr"]}, OUT)
+                "lr": optimizer.param_groups[0]["lr"]},
+               f"{OUT}.{hvd.rank()}" if os.environ.get("EVERY_RANK") else OUT)
 print(f"launch {launch}: rank {hvd.rank()} finished after {state.steps} steps", flush=True)
 """
 

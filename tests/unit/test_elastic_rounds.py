@@ -9,10 +9,13 @@ import os
 import pathlib
 import sys
 import textwrap
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
+from baguahvd.backends.gloo import rounds as gloo_rounds
 from baguahvd.common import elastic_protocol as protocol
 from baguahvd.runner import cli
 from baguahvd.runner.elastic.rounds import GlooElasticLauncher
@@ -202,3 +205,108 @@ def test_a_request_without_a_host_change_is_a_failure_and_keeps_every_rank(
     assert status == 0, err
     assert "round 1: a collective failed (restart 1 of 1); 2 ranks kept, 0 started" in err
     assert _log(tmp_path) == [("0", "0", "0", "2", "0"), ("1", "0", "1", "2", "1")]
+
+
+# Stand-in ranks of a job whose survivor goes on alone: in round 0 worker 1 fails with
+# status 3; worker 0 takes round 1, waits for the launcher's notice that the process started
+# for the lost slot is ready (as a commit would find it), asks for a round and takes the
+# next; the waiting process says it is ready and takes the first round that names it.
+_SMALLER = """
+import json, os, sys, time
+folder = os.environ["BAGUAHVD_ELASTIC_DIR"]
+worker = os.environ["BAGUAHVD_ELASTIC_WORKER"]
+started = int(os.environ["BAGUAHVD_ELASTIC_ROUND"])
+
+
+def log(number, variables):
+    with open(os.path.join(folder, "log"), "a") as out:
+        out.write(f"{worker} {number} {variables['RANK']} {variables['WORLD_SIZE']} "
+                  f"{variables['LOCAL_RANK']}\\n")
+
+
+def next_round(after):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with open(os.path.join(folder, "round.json")) as f:
+            record = json.load(f)
+        if record["round"] > after:
+            return record
+        time.sleep(0.02)
+    sys.exit(9)
+
+
+if os.environ.get("BAGUAHVD_ELASTIC_JOIN") == "1":
+    assert "RANK" not in os.environ and os.environ["LOCAL_RANK"] == "1"
+    open(os.path.join(folder, f"round-ready.0.{worker}"), "w").close()
+    record = next_round(started)
+    log(record["round"], record["workers"][worker])
+    sys.exit(0)
+log(started, os.environ)
+if worker == "1":
+    sys.exit(3)
+record = next_round(0)
+log(record["round"], record["workers"][worker])
+notice = os.path.join(folder, "hosts.json")
+while not os.path.exists(notice):
+    time.sleep(0.02)
+open(os.path.join(folder, "round-request.0.1.0"), "w").close()
+record = next_round(1)
+log(record["round"], record["workers"][worker])
+"""
+
+
+def test_survivors_go_on_alone_and_the_replacement_joins_once_ready(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(_SMALLER))
+    args = cli.parse_args([
+        "-np", "2", "--min-np", "1", "--gloo", "--elastic", "--checkpoint-dir", str(tmp_path),
+        sys.executable, str(script),
+    ])
+    settings = ElasticSettings.from_args(args, dict(os.environ))
+    status = GlooElasticLauncher(args, settings, dict(os.environ), mpirun="").run()
+    err = capsys.readouterr().err
+    assert status == 0, err
+    assert (
+        "round 1: rank 1 (status 3) failed (restart 1 of 3); 1 ranks kept, 0 started, "
+        "1 to join when ready"
+    ) in err, err
+    assert "round 2: 1 ranks ready to join; 1 ranks kept, 1 joined, 0 started" in err, err
+    # Worker 0 trains alone in round 1 (rank 0 of 1); worker 2, started with the lost
+    # worker's local rank, joins it in round 2.
+    assert _log(tmp_path) == [
+        ("0", "0", "0", "2", "0"), ("0", "1", "0", "1", "0"), ("0", "2", "0", "2", "0"),
+        ("1", "0", "1", "2", "1"), ("2", "2", "1", "2", "1"),
+    ]
+    notice = json.loads((tmp_path / protocol.HOSTS_NOTICE_FILE).read_text())
+    assert notice["version"] == 1 and notice["result"] == protocol.HOSTS_ADDED
+    assert not list(tmp_path.glob("round-re*"))
+
+
+def test_a_process_started_to_join_says_it_is_ready_and_waits_for_its_round(
+    tmp_path: pathlib.Path,
+) -> None:
+    env = {
+        protocol.ELASTIC_DIR_ENV: str(tmp_path), protocol.WORKER_ENV: "5",
+        protocol.RESTART_ENV: "0", protocol.ROUND_ENV: "1", protocol.JOIN_ENV: "1",
+    }
+    ready = tmp_path / f"{protocol.READY_PREFIX}0.5"
+
+    def launcher() -> None:
+        while not ready.exists():
+            time.sleep(0.01)
+        _write_round(tmp_path, 2, {"0": {"RANK": "0"}})  # not for worker 5: it waits on
+        time.sleep(0.1)
+        _write_round(tmp_path, 3, {"0": {"RANK": "0"}, "5": {"RANK": "1", "WORLD_SIZE": "2"}})
+
+    thread = threading.Thread(target=launcher)
+    thread.start()
+    gloo_rounds.await_admission(env)
+    thread.join(timeout=10)
+    assert env[protocol.ROUND_ENV] == "3" and protocol.JOIN_ENV not in env
+    assert (env["RANK"], env["WORLD_SIZE"]) == ("1", "2")
+    assert rounds.joins_running_job(env)
+    before = dict(env)
+    gloo_rounds.await_admission(env)  # a later init(): nothing to wait for
+    assert env == before

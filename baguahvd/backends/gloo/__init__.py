@@ -12,6 +12,7 @@ from baguahvd.backends.base import Communicator
 from baguahvd.backends.gloo.communicator import GlooCommunicator, PendingWork, StoreIdChannel
 from baguahvd.backends.gloo.control import GlooControlPlane
 from baguahvd.backends.gloo.rendezvous import HTTPRendezvous
+from baguahvd.backends.gloo.rounds import await_admission
 from baguahvd.backends.gloo.setup import GlooWorld, connect_store
 from baguahvd.backends.gloo.split import (
     SplitControlPlane,
@@ -32,6 +33,7 @@ __all__ = [
     "StoreIdChannel",
     "Topology",
     "TwinnedCommunicator",
+    "await_admission",
     "connect_store",
     "connect_store_over",
     "device_communicator",

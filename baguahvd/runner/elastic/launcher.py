@@ -415,11 +415,19 @@ class ElasticLauncher:
         if _slot_map(hosts) == _slot_map(self._known):
             return
         result = host_change(self._known, hosts)
-        self._version += 1
         self._known = list(hosts)
+        if self._announce(result):
+            say(f"hosts {result}: now {format_hosts(hosts)} (hosts version {self._version})")
+
+    def _announce(self, result: str) -> bool:
+        """Writes a notice of the next host set version, the current hosts and ``result``
+        (one of :mod:`~baguahvd.common.elastic_protocol`'s ``HOSTS_*``); the ranks act on
+        it at their next commit. Returns False, after a warning, when it cannot be written
+        (the version counts all the same). Call it with ``_lock`` held."""
+        self._version += 1
         notice = {
             "version": self._version,
-            "hosts": [[host.name, host.slots] for host in hosts],
+            "hosts": [[host.name, host.slots] for host in self._known],
             "result": result,
         }
         path = os.path.join(self._directory, HOSTS_NOTICE_FILE)
@@ -430,8 +438,8 @@ class ElasticLauncher:
             os.replace(temporary, path)
         except OSError as error:
             say(f"warning: cannot write the host notice {path}: {error.strerror}")
-            return
-        say(f"hosts {result}: now {format_hosts(hosts)} (hosts version {self._version})")
+            return False
+        return True
 
     def _usable(self, hosts: Sequence[Host]) -> list[Host]:
         now = time.monotonic()

@@ -54,6 +54,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from baguahvd.common import elastic_protocol as protocol
+from baguahvd.common.config import launch_from_env
 from baguahvd.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.elastic import rounds
@@ -114,6 +115,9 @@ class State:
         self._store = CheckpointStore(folder) if folder else None
         self._writer = CommitWriter(self._store) if self._store is not None else None
         self._persist_every = config.elastic_persist_every if config is not None else 1
+        # torchrun's agent restarts workers from the top of the script: without a folder,
+        # they start from the beginning. Said once, at the first commit.
+        self._warn_in_memory_only = self._store is None and launch_from_env().agent_run is not None
         # The newest commit that BAGUAHVD_ELASTIC_PERSIST_EVERY kept in memory only, as
         # (number, payload): written when training ends or the job resizes.
         self._unpersisted: tuple[int, Any] | None = None
@@ -128,6 +132,10 @@ class State:
     def on_reset(self) -> None:
         """Runs :meth:`reset` and then the reset callbacks."""
         self._host_messages = queue.Queue()
+        config = runtime.config
+        if config is not None:
+            # A round formed after a host notice carries its version: not news any more.
+            self._hosts_version = max(self._hosts_version, config.elastic_hosts_version)
         self.reset()
         for callback in self._reset_callbacks:
             callback()
@@ -149,6 +157,15 @@ class State:
         self.save()
         self._average_replicas()
         self._commits += 1
+        if self._warn_in_memory_only:
+            self._warn_in_memory_only = False
+            if self._get_rank() == 0:
+                logger.warning(
+                    "torchrun's elastic agent runs this job, but BAGUAHVD_ELASTIC_DIR is not "
+                    "set: commits stay in memory, and workers that the agent restarts start "
+                    "training from the beginning; set it to a folder every node sees to "
+                    "resume them from the last commit"
+                )
         self._persist()
         self.check_host_updates()
 
@@ -278,9 +295,21 @@ class State:
         logger.info("resuming from commit %d (found by rank %d)", newest, holder)
         return True
 
-    def _sync_commit_number(self) -> None:
-        """Gives every rank rank 0's commit count, so that a rank that joined a running
-        job numbers its commits on. Collective."""
+    def _sync_in_place(self, holds_state: bool) -> None:
+        """:meth:`sync` after an in-place reset, and rank 0's commit count, so that a rank
+        that joined a running job numbers its commits on. When rank 0 does not hold the
+        job's state (it joined the running job, and every rank that held the state is gone
+        before passing it on), every rank first resumes from the newest commit in the
+        folder, as a relaunch would. Collective."""
+        if self._bcast_object(not holds_state, 0, name="elastic.state_lost"):
+            if self._get_rank() == 0:
+                logger.warning(
+                    "no rank of this round holds the job's state (the ranks that did are "
+                    "gone); resuming from the newest commit in the elastic folder"
+                )
+            self._resumed = False
+            self._resume()
+        self.sync()
         self._commits = self._bcast_object(self._commits, 0, name="elastic.commit_number")
 
     def _finished_job_handled(self) -> bool:
@@ -426,9 +455,13 @@ def run_fn(func: Callable[..., _Result], reset: Callable[[], None]) -> Callable[
         config = runtime.config
         relaunched = config is not None and config.elastic_restart > 0
         in_place = rounds.in_process()
+        # Whether this process holds the job's state: a process started for a running job
+        # gets it from rank 0, a survivor, at its first sync.
+        holds_state = True
         if in_place and rounds.joins_running_job():
-            state._resumed = True  # rank 0, a survivor, has the job's state
+            state._resumed = True
             needs_reset = True
+            holds_state = False
         else:
             needs_reset = state._resume() or relaunched
         skip_sync = False
@@ -436,10 +469,11 @@ def run_fn(func: Callable[..., _Result], reset: Callable[[], None]) -> Callable[
             try:
                 if needs_reset:
                     state.on_reset()
-                if not skip_sync:
+                if in_place:
+                    state._sync_in_place(holds_state)
+                    holds_state = True
+                elif not skip_sync:
                     state.sync()
-                    if in_place:
-                        state._sync_commit_number()
                 if state._store is not None:
                     state._store.mark_training()
                 result = func(state, *args, **kwargs)

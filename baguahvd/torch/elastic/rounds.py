@@ -24,26 +24,22 @@ state comes from rank 0, a survivor, by that sync.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from collections.abc import Callable, Mapping
 
+from baguahvd.backends.gloo.rounds import (
+    DEFAULT_TIMEOUT_S,
+    RoundTimeoutError,
+    take_round,
+    wait_for_round,
+)
 from baguahvd.common import elastic_protocol as protocol
-from baguahvd.common.exceptions import HorovodInternalError
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.02
-_DEFAULT_TIMEOUT_S = 600.0
-
 __all__ = ["RoundTimeoutError", "in_process", "joins_running_job", "rejoin"]
-
-
-class RoundTimeoutError(HorovodInternalError):
-    """No new round of the elastic job came within ``--elastic-timeout`` seconds: the
-    launcher is gone or could not fill the job; the message names the round waited for."""
 
 
 def in_process(env: Mapping[str, str] | None = None) -> bool:
@@ -58,38 +54,10 @@ def joins_running_job(env: Mapping[str, str] | None = None) -> bool:
     return in_process(env) and int(env.get(protocol.ROUND_ENV, "0") or 0) > 0
 
 
-def _read_round(folder: str) -> dict[str, object] | None:
-    try:
-        with open(os.path.join(folder, protocol.ROUND_FILE), encoding="utf-8") as handle:
-            record = json.load(handle)
-    except (OSError, ValueError):
-        return None  # not written yet; the launcher replaces it atomically
-    return record if isinstance(record, dict) else None
-
-
 def _request(folder: str, launch: int, round_number: int, worker: str) -> None:
     name = f"{protocol.ROUND_REQUEST_PREFIX}{launch}.{round_number}.{worker}"
     with open(os.path.join(folder, name), "w", encoding="utf-8"):
         pass
-
-
-def _wait_for_round(
-    folder: str, launch: int, after: int, timeout_s: float, clock: Callable[[], float]
-) -> dict[str, object]:
-    deadline = clock() + timeout_s
-    while True:
-        record = _read_round(folder)
-        if record is not None and record.get("launch") == launch:
-            number = record.get("round")
-            if isinstance(number, int) and number > after:
-                return record
-        if clock() >= deadline:
-            raise RoundTimeoutError(
-                f"waited {timeout_s:g} s (--elastic-timeout) for round {after + 1} of launch "
-                f"{launch} of the elastic job in {folder}, but baguahvdrun did not form it; "
-                "is the launcher still running?"
-            )
-        time.sleep(_POLL_S)
 
 
 def rejoin(
@@ -108,20 +76,16 @@ def rejoin(
     folder = env[protocol.ELASTIC_DIR_ENV]
     worker = env[protocol.WORKER_ENV]
     launch = int(env.get(protocol.RESTART_ENV, "0") or 0)
-    timeout_s = float(env.get(protocol.ROUND_TIMEOUT_ENV, "") or _DEFAULT_TIMEOUT_S)
+    timeout_s = float(env.get(protocol.ROUND_TIMEOUT_ENV, "") or DEFAULT_TIMEOUT_S)
     current = int(env.get(protocol.ROUND_ENV, "0") or 0)
     shutdown()
     while True:
         _request(folder, launch, current, worker)
-        record = _wait_for_round(folder, launch, current, timeout_s, clock)
+        record = wait_for_round(folder, launch, current, timeout_s, clock)
         current = int(record["round"])  # type: ignore[call-overload]
-        members = record.get("workers")
-        variables = members.get(worker) if isinstance(members, dict) else None
-        if not isinstance(variables, dict):
+        if not take_round(env, record, worker):
             logger.info("round %d leaves worker %s out; leaving the job", current, worker)
             raise SystemExit(0)
-        env.update({str(name): str(value) for name, value in variables.items()})
-        env[protocol.ROUND_ENV] = str(current)
         try:
             init()
         except ValueError as error:
