@@ -15,7 +15,11 @@
   undisturbed run;
 * in-process recovery (``baguahvdrun --gloo --elastic``): rank 0, the source of the state,
   killed in the middle of the in-process reset that follows another rank's kill -9; the
-  job recovers in place again and ends with exactly the weights of an undisturbed run.
+  job recovers in place again and ends with exactly the weights of an undisturbed run. And
+  the survivor that went on alone killed in the reset where the new rank joins it, before
+  passing on the state: the new rank resumes from the newest intact commit in the folder,
+  not from its own initial state, and the job ends with every sample trained once an epoch
+  and the same weights on every rank.
 
 Every test adds to :data:`FIGURES`, printed at the end of the module (``-s``); README's
 elastic section quotes them.
@@ -445,3 +449,39 @@ def test_a_rank_killed_during_an_in_process_reset_recovers_in_place_again(
     assert not list(folder.glob(".commit-*")) and not list(folder.glob("round-request.*"))
     FIGURES["resumed"] += 1
     FIGURES["steps redone"] += 9 - 8
+
+
+@pytest.mark.parallel
+def test_the_only_holder_of_the_state_killed_while_a_new_rank_joins_resumes_from_the_folder(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Rank 1 dies at step 9; rank 0 goes on alone from the commit at step 8 and waits at
+    # its commit at step 12 for the new process to be ready; in the reset to round 2, where
+    # it joins, rank 0 dies before the sync. The new process, holding no state, is alone.
+    folder = tmp_path / "commits"
+    out = tmp_path / "joined.pt"
+    result = launch_training(
+        ["--gloo", "--elastic", "-np", "2", "--min-np", "1", "--checkpoint-dir", str(folder)],
+        tmp_path,
+        {"KILL_RANK": "1", "KILL_STEP": "9", "JOIN_AT_COMMIT": "2", "KILL_IN_RESET_RANK": "0",
+         "KILL_IN_RESET_ROUND": "2", "EVERY_RANK": "1", "OUT": str(out)},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "killing rank 0 during the reset to round 2" in output, output
+    assert "no rank of this round holds the job's state" in output, output
+    assert (
+        "[1]<stdout>:launch 0: rank 0 of 1 starts at step 12" in output
+        or "[1]<stdout>:launch 0: rank 0 of 1 starts at step 8" in output  # write unfinished
+    ), output
+    assert "launch 2" not in output, output
+    FIGURES["faults injected"] += 2
+    finals = [torch.load(path, weights_only=False) for path in sorted(tmp_path.glob("joined.pt.*"))]
+    assert finals, output
+    for final in finals:
+        # Three epochs of 96 samples, 8 per rank a step: each sample once an epoch.
+        assert 8 * sum(final["sizes"]) == 3 * 96, final["sizes"]
+        for name, tensor in finals[0]["model"].items():
+            assert torch.equal(tensor, final["model"][name]), name
+    assert not list(folder.glob(".commit-*")) and not list(folder.glob("round-re*"))
+    FIGURES["resumed"] += 1

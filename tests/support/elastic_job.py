@@ -6,8 +6,9 @@ writes the commits while the write of the commit at a given step runs in the bac
 (``KILL_IN_WRITE_STEP``; ``BALLAST`` adds an untrained buffer of that many floats to the
 model, so that writes take a while), or ask for a bigger job (``GROW_AT_STEP``), and saves
 its final weights to ``OUT``. Under ``--gloo`` (in-process recovery) faults are injected
-in the first round only, and ``KILL_IN_RESET_RANK`` kills that rank of round 1 in its reset
-callback, in the middle of the in-process reset. ``JOIN_AT_COMMIT=N`` makes a round of
+in the first round only, and ``KILL_IN_RESET_RANK`` kills that rank, if it started in the
+first round, in its reset callback in round ``KILL_IN_RESET_ROUND`` (1 by default), in the
+middle of the in-process reset. ``JOIN_AT_COMMIT=N`` makes a round of
 fewer than N ranks wait at its next commit (at most a minute) for the launcher's notice that
 a process started for a lost slot is ready, so that it joins there; ``EVERY_RANK=1`` saves
 every rank's final weights (``OUT.<rank>``). ``DEVICE=cuda`` trains on the GPUs (one per
@@ -82,13 +83,15 @@ state = hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0, steps
 
 
 KILL_IN_RESET_RANK = int(os.environ.get("KILL_IN_RESET_RANK", "-1"))
+KILL_IN_RESET_ROUND = os.environ.get("KILL_IN_RESET_ROUND", "1")
 STARTED_FIRST = first_try()
 
 
 def scale_lr():
     if (STARTED_FIRST and hvd.rank() == KILL_IN_RESET_RANK
-            and os.environ.get("BAGUAHVD_ELASTIC_ROUND") == "1"):
-        print(f"killing rank {hvd.rank()} during the reset to round 1", flush=True)
+            and os.environ.get("BAGUAHVD_ELASTIC_ROUND") == KILL_IN_RESET_ROUND):
+        print(f"killing rank {hvd.rank()} during the reset to round {KILL_IN_RESET_ROUND}",
+              flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     for group in optimizer.param_groups:
         group["lr"] = 0.01 * hvd.size()

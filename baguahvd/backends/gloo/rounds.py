@@ -11,6 +11,7 @@ is ready, and the launcher forms that round once the survivors reach a commit.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -100,11 +101,21 @@ def take_round(env: MutableMapping[str, str], record: dict[str, object], worker:
     return True
 
 
+def _warm_up() -> None:
+    """Imports what a training script's first optimizer imports (torch's dynamo, seconds
+    of imports), so that the running ranks do not wait for it once this process joins."""
+    try:
+        importlib.import_module("torch._dynamo")
+    except ImportError:
+        pass  # an older torch: its optimizers do not import it either
+
+
 def await_admission(env: MutableMapping[str, str] | None = None) -> None:
     """In a process started to join the running ranks later (:data:`~baguahvd.common.
-    elastic_protocol.JOIN_ENV`): says that it is ready, waits for the first round that
-    names it and takes that round's variables into ``env`` (``os.environ``), so that
-    ``hvd.init()`` starts the engine in it. Does nothing in any other process.
+    elastic_protocol.JOIN_ENV`): imports what the script is about to need, says that it
+    is ready, waits for the first round that names it and takes that round's variables
+    into ``env`` (``os.environ``), so that ``hvd.init()`` starts the engine in it. Does
+    nothing in any other process.
 
     A round that does not name it is not for it: it waits on (the launcher names a
     waiting process once it is ready, or stops it).
@@ -120,6 +131,7 @@ def await_admission(env: MutableMapping[str, str] | None = None) -> None:
     launch = int(env.get(protocol.RESTART_ENV, "0") or 0)
     current = int(env.get(protocol.ROUND_ENV, "0") or 0)
     launcher = os.getppid()
+    _warm_up()
     ready = os.path.join(folder, f"{protocol.READY_PREFIX}{launch}.{worker}")
     with open(ready, "w", encoding="utf-8"):
         pass

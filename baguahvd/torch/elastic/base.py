@@ -30,9 +30,10 @@ Under ``baguahvdrun --gloo --elastic`` the ranks recover in place instead (steps
 become Horovod's): a rank whose collective fails (``HorovodInternalError``) restores its
 last in-memory commit, a rank that sees a host change keeps its state; both shut the
 engine down and join the next round of the job's ranks (:mod:`.rounds`), where the
-launcher has started processes only for lost or added slots; then the reset callbacks run
-and every rank syncs from rank 0, a survivor. Only when every rank is lost does the job
-restart from the folder.
+launcher has started processes only for lost or added slots (or, where ``--min-np``
+allows, the survivors go on alone and a process for a lost slot joins at a later commit,
+as an added host does); then the reset callbacks run and every rank syncs from rank 0, a
+survivor. Only when every rank is lost does the job restart from the folder.
 
 When the launcher's host discovery reports a change, it writes a notice into the folder;
 the next ``commit()`` sees it on rank 0, every rank raises :class:`HostsUpdatedInterrupt`

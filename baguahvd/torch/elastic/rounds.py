@@ -19,7 +19,9 @@ When a collective fails (``HorovodInternalError``) or a commit reports a host ch
 The caller (:func:`baguahvd.torch.elastic.base.run_fn`) then restores the last in-memory
 commit, runs the reset callbacks and syncs every rank from rank 0. A rank started for a
 round after the first (:func:`joins_running_job`) does not resume from the folder: its
-state comes from rank 0, a survivor, by that sync.
+state comes from rank 0, a survivor, by that sync. One started while the survivors went
+on without it first waits in ``hvd.init()`` for the round that takes it in
+(:func:`baguahvd.backends.gloo.rounds.await_admission`).
 """
 
 from __future__ import annotations
