@@ -469,6 +469,29 @@ def test_unnamed_broadcasts_run_from_the_cache(rank: int, size: int) -> None:
     assert torch.equal(out, torch.full((6,), float(size - 1)))
 
 
+def test_a_burst_of_unnamed_in_place_allreduces_runs_from_the_cache(
+    rank: int, size: int
+) -> None:
+    # One cache entry per position in the burst: after the first burst, a burst of unnamed
+    # calls of the same shapes is agreed without rank 0, however many calls it holds.
+    engine = runtime.require_engine()
+    count = 150
+    tensors = [torch.zeros(6 + index % 3) for index in range(count)]
+    for round_ in range(6):
+        if round_ == 2:
+            before = engine.full_negotiations
+        for index, tensor in enumerate(tensors):
+            tensor.fill_(_unnamed_value(index + round_, rank))
+        handles = [hvd.allreduce_async_(tensor, op=hvd.Sum) for tensor in tensors]
+        for index, handle in enumerate(handles):
+            out = hvd.synchronize(handle)
+            assert out is tensors[index]
+            expected = torch.full_like(out, _unnamed_expected(index + round_, size))
+            assert torch.equal(out, expected), (round_, index, out)
+    # A stall check may still go to rank 0 once.
+    assert engine.full_negotiations - before <= 1
+
+
 def test_unnamed_calls_pair_in_order_when_ranks_submit_differently(
     rank: int, size: int
 ) -> None:

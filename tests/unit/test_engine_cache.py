@@ -145,6 +145,8 @@ def test_unnamed_allreduces_and_broadcasts_of_the_global_set_are_cached_under_wh
     later = meta._replace(key="noname.7", name="allreduce.noname.7")
     assert response_cacheable(response._replace(meta=first))
     assert cache_key(first) == cache_key(later) != cache_key(meta)
+    # Under its position among the unnamed collectives not yet agreed.
+    assert cache_key(first, 3) == cache_key(later, 3) != cache_key(first)
     assert cache_key(first) != cache_key(first._replace(shapes=((2,),)))
     assert cache_key(first) != cache_key(first._replace(postscale=0.5))
     assert cache_key(first) != cache_key(first._replace(fuse=False))

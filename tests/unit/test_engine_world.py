@@ -140,6 +140,37 @@ def test_unnamed_requests_match_by_order(job: Job) -> None:
         assert results == [3.0, 33.0, 63.0]
 
 
+def test_unnamed_bursts_pair_by_order_and_keep_every_rank_s_cache_the_same(job: Job) -> None:
+    # Rank 0 waits for each call; the others submit whole bursts, rank 2 with pauses, so
+    # that ranks run the same positions from the cache in different cycles. Every result
+    # pairs the n-th call of every rank, and the caches hold the same keys in the same slots
+    # (a rank that cached a response under another key would pair the wrong calls later).
+    shapes = [(2,), (3,), (2,), (2,), (4,)]
+
+    def body(rank: int, engine: Engine) -> list[float]:
+        results = []
+        for round_ in range(4):
+            values = [float(100 * round_ + 10 * i + rank) for i in range(len(shapes) * 6)]
+            tensors = [torch.full(shapes[i % len(shapes)], v) for i, v in enumerate(values)]
+            if rank == 0:
+                results += [_result(_allreduce(engine, t, None)).max().item() for t in tensors]
+                continue
+            handles = []
+            for index, tensor in enumerate(tensors):
+                if rank == 2 and index % 7 == 3:
+                    time.sleep(0.002)
+                handles.append(_allreduce(engine, tensor, None))
+            results += [_result(h).max().item() for h in handles]
+        return results
+
+    outcomes = job.run(body)
+    expected = [3.0 * (100 * round_ + 10 * i) + 3.0 for round_ in range(4) for i in range(30)]
+    assert outcomes == [expected] * SIZE
+    caches = [engine._loop.negotiation.cache._slots for engine in job.engines]
+    assert len(caches[0]) > 1
+    assert all(cache == caches[0] for cache in caches)
+
+
 def test_repeated_collectives_are_answered_from_the_cache(job: Job) -> None:
     def step(rank: int, engine: Engine) -> float:
         return _result(_allreduce(engine, torch.ones(2), "w")).sum().item()

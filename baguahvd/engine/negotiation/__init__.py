@@ -24,15 +24,20 @@ Rank 0 also uses the second step to hand every rank new autotune settings
 send, so the exchange happens, and the decision carries the settings to every rank in the
 same cycle.
 
-Unnamed allreduces and broadcasts of the global set are cached under what they move (see
-:mod:`~baguahvd.engine.negotiation.cache`), which is safe only while the bits pair the n-th
-unnamed call of every rank. So a rank lets only its oldest unnamed request, with no other
-unnamed request of the set pending, wait on the cache (every rank has run the same unnamed
-collectives, so the oldest is the same n everywhere), and two more flag bits say whether it
-has an unnamed request in the full negotiation (then ranks whose oldest waits on the cache
-send it in full too: rank 0 pairs it there) and whether its oldest waits on the cache (if
-every rank's does and no slot is ready, their shapes differ: all send it in full, and rank 0
-answers with the mismatch error).
+Unnamed allreduces and broadcasts of the global set are cached under what they move and
+their position (see :mod:`~baguahvd.engine.negotiation.cache`): the request ``noname.N`` is
+looked up at position ``N - B``, where ``B`` is the number of the oldest unnamed collective
+not yet agreed, the same on every rank between cycles. So the same position names the same
+collective on every rank, and a burst of unnamed calls that recurs (a loop of
+``allreduce_async_``) runs from the cache, one entry per position. A rank's unnamed requests
+wait on the cache oldest first (:attr:`~.negotiator.Negotiator.unnamed_window`); a cycle
+runs the longest run of them, from the oldest, whose slots every rank announced (every rank
+finds the same run), so they still run in order. Two more flag bits say whether a rank has
+an unnamed request in the full negotiation (then every rank sends its waiting ones in full:
+rank 0 pairs them by name) and whether its oldest waits on the cache (if every rank's does
+and none ran, their requests differ: all send them in full, and rank 0 answers with the
+mismatch error). A rank whose oldest unnamed request misses the cache sends all of them in
+full, and later ones follow in full until those are agreed.
 
 The cycle's agreed work is the cached hits (in slot order) followed by rank 0's responses.
 Every rank then caches the same responses in the same order

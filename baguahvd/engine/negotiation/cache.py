@@ -9,13 +9,12 @@ them and negotiate those names in full again.
 
 What may be cached is one rule (:func:`cache_key`): named data collectives, under their
 name, and unnamed allreduces and broadcasts of the global set, under what they move (op,
-dtype, shapes, device, reduce op, factors, root and fusion). Unnamed requests are paired by
-their order, so their own keys mean nothing from one step to the next; the negotiator lets
-only the oldest unnamed request of a rank use the cache (see
-:mod:`~baguahvd.engine.negotiation.negotiator`), so the ranks' bits still pair the n-th
-unnamed call of every rank. Barriers, joins and process-set changes are rare and carry no
-shape worth skipping. A response is cached only when it ran (no error) with every member
-submitting (no joined rank), see :func:`response_cacheable`.
+dtype, shapes, device, reduce op, factors, root and fusion) and their position among the
+unnamed collectives not yet agreed. Unnamed requests are paired by their order, so their own
+keys mean nothing from one step to the next; their positions pair the n-th unnamed call of
+every rank (see :mod:`~baguahvd.engine.negotiation`). Barriers, joins and process-set
+changes are rare and carry no shape worth skipping. A response is cached only when it ran
+(no error) with every member submitting (no joined rank), see :func:`response_cacheable`.
 """
 
 from __future__ import annotations
@@ -47,12 +46,13 @@ def may_cache(op: OpType, key: str) -> bool:
     return op in DATA_OPS and not is_unnamed(key)
 
 
-def cache_key(item: RequestMeta) -> Hashable | None:
+def cache_key(item: RequestMeta, position: int = 0) -> Hashable | None:
     """The key a request (or the response it got, by its ``meta``) is cached under, None if
     never cached:
     the negotiation key of a named data collective; for an unnamed allreduce or broadcast of
     the global set, everything its response holds besides its name, the same on every
-    rank."""
+    rank, and its ``position`` among the unnamed collectives not yet agreed (see
+    :mod:`~baguahvd.engine.negotiation`)."""
     op = item.op
     if op not in DATA_OPS:
         return None
@@ -63,7 +63,7 @@ def cache_key(item: RequestMeta) -> Hashable | None:
         return None
     return (
         UNNAMED_PREFIX, op, item.dtype, item.shapes, item.device, item.reduce_op, item.prescale,
-        item.postscale, item.root, item.fuse,
+        item.postscale, item.root, item.fuse, position,
     )
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from baguahvd.backends.base import ControlPlane
 from baguahvd.engine.autotune import Settings
-from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, RequestMeta, Response
+from baguahvd.engine.messages import Response
 from baguahvd.engine.negotiation.bits import (
     FLAG_IDLE,
     FLAG_NO_SHUTDOWN,
@@ -25,13 +25,13 @@ from baguahvd.engine.negotiation.cache import (
     Lookup,
     ResponseCache,
     cache_key,
-    is_unnamed,
     may_cache,
     request_signature,
     response_cacheable,
 )
 from baguahvd.engine.negotiation.coordinator import Coordinator
 from baguahvd.engine.negotiation.stall import StallInspector
+from baguahvd.engine.negotiation.window import UnnamedWindow, counted
 from baguahvd.engine.notices import Decision, Notice, RankReport
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Entry, Request
@@ -84,10 +84,11 @@ class Negotiator:
         self.unnamed_pending = 0
         """Unnamed requests of the global set admitted and not yet run (see module
         docstring)."""
+        self.unnamed_window = UnnamedWindow()
+        """This rank's unnamed requests of the global set that wait on the cache; empty
+        while one of them is negotiated in full (see module docstring)."""
         self.exchanges = 0
         """Cycles that went through rank 0 (the cache answered the others)."""
-        self.unnamed_head: tuple[int, Request] | None = None
-        """The unnamed request waiting on the cache, with its slot (at most one)."""
         self.sent: dict[tuple[int, str], Request] = {}
         """Requests sent to rank 0 and not answered yet."""
         self.join_mode = False
@@ -101,7 +102,8 @@ class Negotiator:
 
     def in_flight(self) -> bool:
         """Whether some request waits for the other ranks (the next cycle starts at once)."""
-        return bool(self.sent or self.waiting_on_cache or self.to_send or self.proposal)
+        pending = self.sent or self.waiting_on_cache or self.unnamed_window or self.to_send
+        return bool(pending or self.proposal)
 
     def pause_s(self, cycle_time_ms: float) -> float:
         """How long the engine waits for a submission before its next cycle.
@@ -153,18 +155,24 @@ class Negotiator:
     def admit(self, request: Request) -> None:
         """Files a new request: as a cache hit, or to be sent to rank 0."""
         meta = request.meta
-        unnamed = _counted(meta)
+        unnamed = counted(meta.process_set_id, meta.key)
         if unnamed:
             self.unnamed_pending += 1
         key = None if self.join_mode or self.cache.capacity == 0 else cache_key(meta)
-        if key is None or (unnamed and self.unnamed_pending > 1):
+        if key is None:
             self.to_send.append(request)
+            return
+        if unnamed:
+            # In full as long as an older one is (rank 0 pairs them by name), else looked
+            # up in the cache at the cycle's announcement, by its position.
+            if self.unnamed_pending > len(self.unnamed_window) + 1:
+                self.to_send.append(request)
+            else:
+                self.unnamed_window.requests.append(request)
             return
         found, slot = self.cache.lookup(meta.process_set_id, key, request_signature(meta))
         if found is Lookup.HIT:
             self.waiting_on_cache[slot] = request
-            if unnamed:
-                self.unnamed_head = (slot, request)
             if self.timeline is not None and self.timeline.active:
                 self.timeline.negotiation_started(meta.name, meta.op)
             return
@@ -172,13 +180,8 @@ class Negotiator:
             self.stale_slots.add(slot)
         self.to_send.append(request)
 
-    def _head_waits(self) -> bool:
-        """Whether this rank's oldest unnamed request still waits on the cache."""
-        head = self.unnamed_head
-        if head is not None and self.waiting_on_cache.get(head[0]) is head[1]:
-            return True
-        self.unnamed_head = None
-        return False
+    def _window_to_full(self) -> None:
+        self.to_send.extend(self.unnamed_window.take_all())
 
     # -- the cycle --------------------------------------------------------------------------
 
@@ -186,7 +189,16 @@ class Negotiator:
         """This rank's byte vector for the cycle's bitwise AND (see module docstring);
         ``busy``: this rank has collectives running that the engine waits for."""
         span = self._span
+        window = self.unnamed_window
+        stale = window.look_up(self.cache)
+        if stale is not None:
+            self.stale_slots.add(stale)
+        if window and not window.slots:
+            # Its oldest misses the cache: rank 0 pairs them all, by name.
+            self._window_to_full()
         hits = self.cache.not_member | slot_bits(self.waiting_on_cache.keys(), span)
+        if window.slots:
+            hits |= slot_bits(window.slots, span)
         valid = self._all_valid
         if self.stale_slots:
             invalid = slot_bits(self.stale_slots, span)
@@ -200,10 +212,10 @@ class Negotiator:
         if notice is not None:
             flags &= ~FLAG_NO_SHUTDOWN
         if self.unnamed_pending:
-            head_waits = self._head_waits()
-            if self.unnamed_pending > head_waits:
+            waiting = len(self.unnamed_window)
+            if self.unnamed_pending > waiting:
                 flags &= ~FLAG_NO_UNNAMED_IN_FULL
-            if not head_waits:
+            if not waiting:
                 flags &= ~FLAG_UNNAMED_WAITS
         else:
             flags &= ~FLAG_UNNAMED_WAITS
@@ -231,14 +243,24 @@ class Negotiator:
                 stale = self.waiting_on_cache.pop(slot, None)
                 if stale is not None:
                     self.to_send.append(stale)
+        window: dict[int, Request] = {}
+        if self.unnamed_window.slots:
+            ready, window = self.unnamed_window.take_run(ready)
         slots = set_bits(ready, span)
         waiting = self.waiting_on_cache.pop
         entries: list[Entry] = [
-            (response, waiting(slot, None))
+            (response, waiting(slot, None) or window.get(slot))
             for slot, response in zip(slots, self.cache.take(slots))
         ]
-        if self.unnamed_pending:
-            self._settle_unnamed(entries, flags)
+        if window:
+            self._settle_unnamed(entries)
+        if self.unnamed_window and (
+            not flags & FLAG_NO_UNNAMED_IN_FULL or (not window and flags & FLAG_UNNAMED_WAITS)
+        ):
+            # Some rank negotiates an unnamed request in full, or every rank's oldest waits
+            # on the cache and none ran (their requests differ): rank 0 pairs them by name,
+            # or names the mismatch.
+            self._window_to_full()
         return entries
 
     @staticmethod
@@ -252,30 +274,23 @@ class Negotiator:
         sent = self.sent.pop
         entries: list[Entry] = []
         for response in responses:
-            request = sent((response.meta.process_set_id, response.meta.key), None)
-            if request is not None and self.unnamed_pending and _counted(request.meta):
-                self.unnamed_pending -= 1
+            meta = response.meta
+            request = sent((meta.process_set_id, meta.key), None)
+            if counted(meta.process_set_id, meta.key):
+                self.unnamed_window.agreed(meta.key)
+                if request is not None:
+                    self.unnamed_pending -= 1
             entries.append((response, request))
         return entries
 
-    def _settle_unnamed(self, entries: list[Entry], flags: int) -> None:
-        """The cached hits' part of a cycle for unnamed requests: a hit runs under its own
-        name; an oldest unnamed request that stays waiting goes to rank 0 in full when some
-        rank has one there or when every rank's waits (see module docstring)."""
+    def _settle_unnamed(self, entries: list[Entry]) -> None:
+        """Unnamed requests that ran from the cache run under their own names."""
         for index, (response, request) in enumerate(entries):
-            if request is not None and _counted(request.meta):
+            if request is not None and counted(request.meta.process_set_id, request.meta.key):
                 meta = request.meta
                 named = response.meta._replace(key=meta.key, name=meta.name)
                 entries[index] = (response._replace(meta=named), request)
                 self.unnamed_pending -= 1
-        if not self._head_waits():
-            return
-        if not flags & FLAG_NO_UNNAMED_IN_FULL or flags & FLAG_UNNAMED_WAITS:
-            assert self.unnamed_head is not None
-            slot, request = self.unnamed_head
-            del self.waiting_on_cache[slot]
-            self.unnamed_head = None
-            self.to_send.append(request)
 
     def negotiate(self, notice: Notice | None) -> Decision:
         """Sends the requests to send (and ``notice``) to rank 0; returns its decision."""
@@ -291,6 +306,7 @@ class Negotiator:
             # Cached announcements cannot count ranks that joined: renegotiate in full.
             self.to_send.extend(self.waiting_on_cache.values())
             self.waiting_on_cache.clear()
+            self._window_to_full()
         self.join_mode = join_mode
         return decision
 
@@ -333,7 +349,11 @@ class Negotiator:
         state = self.process_sets.get(response.meta.process_set_id)
         if state is None:
             return
-        key = cache_key(response.meta)
+        meta = response.meta
+        key = (
+            cache_key(meta, self.unnamed_window.position(meta.key))
+            if counted(meta.process_set_id, meta.key) else cache_key(meta)
+        )
         signature = None if request is None else request_signature(request.meta)
         for slot in self.cache.put(response, signature, state.includes(self.rank), key):
             # A request admitted as a hit on an entry that is now gone (ranks admit requests
@@ -350,6 +370,9 @@ class Negotiator:
         are then negotiated in full, visible to rank 0); on rank 0, reports stalls and
         returns the notice that ends the job past the stall shutdown time."""
         self.stale_slots.update(self.inspector.stale_cache_waits(self.waiting_on_cache, now))
+        window = self.unnamed_window.requests
+        if window and now - window[0].submitted > self.inspector.warning_s:
+            self._window_to_full()
         if self.coordinator is None:
             return None
         return self.coordinator.check_stalls(self.process_sets, now)
@@ -367,14 +390,11 @@ class Negotiator:
 
     def drain(self) -> list[Request]:
         """Takes every request this rank still negotiates (the engine stops)."""
-        pending = [*self.to_send, *self.sent.values(), *self.waiting_on_cache.values()]
+        pending = [
+            *self.to_send, *self.sent.values(), *self.waiting_on_cache.values(),
+            *self.unnamed_window.take_all(),
+        ]
         self.to_send = []
         self.sent.clear()
         self.waiting_on_cache.clear()
         return pending
-
-
-def _counted(meta: RequestMeta) -> bool:
-    """Whether ``meta`` is an unnamed request of the global set (counted in
-    :attr:`Negotiator.unnamed_pending`)."""
-    return meta.process_set_id == GLOBAL_PROCESS_SET_ID and is_unnamed(meta.key)

@@ -1,0 +1,98 @@
+"""One rank's unnamed requests of the global set that wait on the response cache, and the
+positions they are looked up under (the protocol is in :mod:`baguahvd.engine.negotiation`).
+
+The request ``noname.N`` is looked up at position ``N - base``, where ``base`` is the number
+of the oldest unnamed collective of the global set not yet agreed. Every rank processes the
+same responses, so ``base`` is the same on every rank between cycles, and a position names
+the same collective everywhere.
+"""
+
+from __future__ import annotations
+
+from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, UNNAMED_PREFIX, is_unnamed
+from baguahvd.engine.negotiation.cache import Lookup, ResponseCache, cache_key, request_signature
+from baguahvd.engine.requests import Request
+
+LOOKUPS_MAX = 256
+"""The most requests looked up in one cycle: a rank far ahead of its peers looks its
+waiting requests up again every cycle, so this bounds what a cycle costs it."""
+
+
+def unnamed_number(key: str) -> int:
+    """``N`` of an unnamed request's key ``noname.N``."""
+    return int(key[len(UNNAMED_PREFIX):])
+
+
+def counted(process_set_id: int, key: str) -> bool:
+    """Whether a request or response is an unnamed one of the global set."""
+    return process_set_id == GLOBAL_PROCESS_SET_ID and is_unnamed(key)
+
+
+class UnnamedWindow:
+    """The waiting requests, oldest first, and the cache slots this cycle found for them."""
+
+    def __init__(self) -> None:
+        self.requests: list[Request] = []
+        self.slots: list[int] = []
+        """The slot of each request from the oldest on, as far as they hit in this cycle's
+        lookup (:meth:`look_up`)."""
+        self.base = 0
+        """The number of the oldest unnamed collective of the global set not yet agreed."""
+        self._cycle_base = 0
+        """:attr:`base` when this cycle's lookup ran: the cycle's responses are cached under
+        positions counted from it (:meth:`position`)."""
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def look_up(self, cache: ResponseCache) -> int | None:
+        """Starts a cycle (every rank, every cycle: the positions of the cycle's responses
+        count from here) and finds the slots of the waiting requests from the oldest on, up
+        to the first that misses. Returns the slot of an entry found stale there (to
+        invalidate everywhere), else None."""
+        self._cycle_base = base = self.base
+        slots: list[int] = []
+        self.slots = slots
+        lookup = cache.lookup
+        for request in self.requests[:LOOKUPS_MAX]:
+            meta = request.meta
+            position = unnamed_number(meta.key) - base
+            found, slot = lookup(
+                GLOBAL_PROCESS_SET_ID, cache_key(meta, position), request_signature(meta)
+            )
+            if found is not Lookup.HIT:
+                return slot if found is Lookup.STALE else None
+            slots.append(slot)
+        return None
+
+    def take_run(self, ready: int) -> tuple[int, dict[int, Request]]:
+        """The requests that run from the cache in this cycle: the longest run from the
+        oldest whose slots every rank announced. Every rank finds the same run, since a slot
+        is in the AND only where every rank has the same collective at that position; later
+        ready slots wait for the next cycle, so unnamed collectives keep their order.
+        Returns ``ready`` without those later slots, and the run by slot."""
+        run: dict[int, Request] = {}
+        requests = self.requests
+        for index, slot in enumerate(self.slots):
+            if not ready >> slot & 1:
+                for later in self.slots[index:]:
+                    ready &= ~(1 << later)
+                break
+            run[slot] = requests[index]
+        del requests[: len(run)]
+        self.slots = []
+        self.base += len(run)
+        return ready, run
+
+    def agreed(self, key: str) -> None:
+        """Counts an unnamed collective of the global set agreed by rank 0."""
+        self.base = max(self.base, unnamed_number(key) + 1)
+
+    def position(self, key: str) -> int:
+        """Where an unnamed collective agreed in this cycle is cached."""
+        return unnamed_number(key) - self._cycle_base
+
+    def take_all(self) -> list[Request]:
+        """Empties the window (its requests go to rank 0 in full, or the engine stops)."""
+        requests, self.requests, self.slots = self.requests, [], []
+        return requests
