@@ -4,13 +4,18 @@ every rank against recovering in place.
 Runs the same training loop (a 1.1M-parameter MLP, ``--commit-every`` steps between
 commits) as ``baguahvdrun --elastic -np 2`` (restart-based: mpirun's job ends and is
 launched again, resuming from the last commit in the folder) and as ``baguahvdrun --gloo
---elastic -np 2`` (in-process: rank 0 keeps running, restores its last in-memory commit and
-meets the rank started in rank 1's place). Rank 1 is killed with SIGKILL ``--kill-delay``
-seconds after the fifth commit is on disk; rank 0 logs every completed step. Reported per
-run:
+--elastic -np 2 --min-np 1`` (in-process: rank 0 keeps running, restores its last in-memory
+commit and goes on alone in a round of one rank; the process started in rank 1's place
+joins it at the first commit after that process is ready; ``--in-process-min-np 2`` makes
+rank 0 wait for it instead). Rank 1 is killed with SIGKILL ``--kill-delay`` seconds after
+the fifth commit is on disk; rank 0 logs every completed step. Reported per run:
 
 * kill → next step: from the SIGKILL until rank 0 completes its first step after
   recovering (the relaunched job's rank 0 for the restart-based path);
+* kill → two ranks: from the SIGKILL until rank 0 completes its first step with two ranks
+  again (the same as the above where recovery waits for the new rank);
+* join pause: for a rank that joins at a commit, the time between rank 0's last step
+  alone and its first step with the new rank (the cost of the join to the survivor);
 * steps redone: the steps rank 0 had completed since the commit it recovered from;
 * commit: the median ``state.commit()`` time on rank 0.
 
@@ -80,7 +85,7 @@ def train(state):
         if hvd.rank() == 0:
             with open(events, "a") as out:
                 out.write(json.dumps({"time": time.time(), "step": state.step,
-                                      "attempt": attempt()}) + "\\n")
+                                      "attempt": attempt(), "size": hvd.size()}) + "\\n")
         if state.step % commit_every == 0:
             start = time.perf_counter()
             state.commit()
@@ -103,13 +108,15 @@ MODES = {
 
 
 def measure(
-    work: pathlib.Path, mode: str, commit_every: int, kill_delay: float
+    work: pathlib.Path, mode: str, commit_every: int, kill_delay: float, min_np: int
 ) -> dict[str, float]:
     script = work / "train.py"
     script.write_text(textwrap.dedent(_TRAIN))
     events = work / "events.jsonl"
     folder = work / "elastic"
     flags, rank_variable = MODES[mode]
+    if mode == "in-process":
+        flags = [*flags, "--min-np", str(min_np)]
     args = [*flags, "-np", "2", "--checkpoint-dir", str(folder), sys.executable, str(script)]
     env = {"EVENTS": str(events), "COMMIT_EVERY": str(commit_every)}
     with jobs.started_launcher(args, work, env, stdout=subprocess.DEVNULL,
@@ -127,10 +134,15 @@ def measure(
     steps = [r for r in records if "step" in r]
     before = [r for r in steps if r["time"] <= killed_at]
     first_try = before[-1]["attempt"]
-    after = next(r for r in steps if r["time"] > killed_at and r["attempt"] != first_try)
+    later = [r for r in steps if r["time"] > killed_at and r["attempt"] != first_try]
+    after = later[0]
+    whole = next(r for r in later if r["size"] == 2)
+    previous = steps[steps.index(whole) - 1]
     commit_ms = next(r["commit_ms"] for r in records if "commit_ms" in r)
     return {
         "kill_to_next_step_s": after["time"] - killed_at,
+        "kill_to_two_ranks_s": whole["time"] - killed_at,
+        "join_pause_s": whole["time"] - previous["time"] if whole is not after else 0.0,
         "steps_redone": before[-1]["step"] - (after["step"] - 1),
         "resumed_at_step": after["step"] - 1,
         "commit_ms": commit_ms,
@@ -144,6 +156,9 @@ def main() -> None:
     parser.add_argument("--commit-every", type=int, default=10)
     parser.add_argument("--kill-delay", type=float, default=0.2,
                         help="seconds from the fifth commit on disk to the kill")
+    parser.add_argument("--in-process-min-np", type=int, default=1,
+                        help="--min-np of the in-process job: 1 lets rank 0 go on alone "
+                        "while the new rank starts, 2 makes it wait")
     parser.add_argument("--results", type=pathlib.Path, default=None,
                         help="folder for raw.json (every run's figures)")
     args = parser.parse_args()
@@ -153,7 +168,8 @@ def main() -> None:
     for repeat in range(args.repeats):
         for mode in modes:
             with tempfile.TemporaryDirectory(prefix="elastic-bench-") as work:
-                figures = measure(pathlib.Path(work), mode, args.commit_every, args.kill_delay)
+                figures = measure(pathlib.Path(work), mode, args.commit_every,
+                                  args.kill_delay, args.in_process_min_np)
             results[mode].append(figures)
             print(
                 f"{mode} run {repeat + 1}: "
