@@ -3,7 +3,9 @@ SIGKILL (the store's host, rank 0, included) and with a host added while the job
 
 The survivors keep their processes: they restore the last in-memory commit, meet the rank
 started for the lost slot in a new round, and sync from rank 0. The job must finish with
-exactly the weights of an uninterrupted run with the same seed.
+exactly the weights of an uninterrupted run with the same seed. With ``--min-np 1`` the
+survivor goes on alone instead, and the new rank joins at a later commit with the state as
+committed.
 """
 
 from __future__ import annotations
