@@ -247,7 +247,8 @@ if worker == "1":
 record = next_round(0)
 log(record["round"], record["workers"][worker])
 notice = os.path.join(folder, "hosts.json")
-while not os.path.exists(notice):
+deadline = time.monotonic() + 60
+while not os.path.exists(notice) and time.monotonic() < deadline:
     time.sleep(0.02)
 open(os.path.join(folder, "round-request.0.1.0"), "w").close()
 record = next_round(1)
