@@ -9,7 +9,10 @@ re-validating. Counts are in elements of the given tensors.
 on channels of its own (user code or data collectives never match its messages):
 
 - one bitwise AND of a byte vector per cycle (cached requests and flags), a gather of
-  pickled reports to rank 0 and a broadcast of rank 0's decision;
+  pickled reports to rank 0 and a broadcast of rank 0's decision. The AND is started
+  (:meth:`ControlPlane.start_bitwise_and`) and its caller waits for it with :func:`waits`,
+  which hands control back now and then: the caller decides itself whether to stop waiting
+  (its job is ending), and the control plane calls nothing of its caller's;
 - an all-gather of integers at start (process identities for the watchdog);
 - data communicators for process sets (created collectively by their members);
 - alarms: point-to-point messages outside the lockstep protocol, for a rank that can no
@@ -24,7 +27,8 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -172,6 +176,65 @@ class SelfCommunicator(Communicator):
         return None
 
 
+class Pending(abc.ABC):
+    """A control-plane operation under way (:meth:`ControlPlane.start_bitwise_and`); wait for
+    it with :func:`waits`."""
+
+    @abc.abstractmethod
+    def test(self) -> bool:
+        """Whether the operation has completed; never blocks. Raises the operation's error
+        once it failed."""
+
+    def wait(self, timeout_s: float) -> None:
+        """Waits ``timeout_s``, or less where the transport can end the wait when the
+        operation completes. The default sleeps."""
+        time.sleep(timeout_s)
+
+    @abc.abstractmethod
+    def result(self) -> np.ndarray:
+        """The operation's result, once :meth:`test` has returned True."""
+
+
+SPIN_S = 50e-6
+"""How long :func:`waits` polls, yielding the core, before it waits between tests."""
+FIRST_WAIT_S = 5e-6
+"""The first wait between two tests in :func:`waits`; each next one is twice as long."""
+LONGEST_WAIT_S = 1e-4
+"""The longest wait between two tests in :func:`waits`, which yields after each one this
+long."""
+
+
+def waits(pending: Pending) -> Iterator[None]:
+    """Waits for ``pending`` to complete, and yields between two of its tests once the wait
+    is no longer short, so that the caller may check whether to give up (and stop iterating
+    to do so). Raises the operation's error.
+
+    The other ranks usually come within microseconds (they are waiting too), so it first
+    polls for :data:`SPIN_S`, yielding the core between tests: a sleep would end late. Then
+    it tests between waits (:meth:`Pending.wait`: short sleeps) rather than in the
+    transport's busy wait or a Python spin: a sleeping thread leaves both the CPU (ranks are
+    often oversubscribed) and the GIL (the training thread needs it) to others. The waits
+    double from :data:`FIRST_WAIT_S` up to :data:`LONGEST_WAIT_S`; from then on it yields
+    after each.
+    """
+    test = pending.test
+    spin_end = time.perf_counter() + SPIN_S
+    while not test():
+        if time.perf_counter() >= spin_end:
+            break
+        os.sched_yield()
+    else:
+        return
+    wait = pending.wait
+    delay = FIRST_WAIT_S
+    while not test():
+        wait(delay)
+        if delay < LONGEST_WAIT_S:
+            delay = min(delay * 2, LONGEST_WAIT_S)
+        else:
+            yield
+
+
 class ControlPlane(abc.ABC):
     """The engine's negotiation channel over every rank of the job (see module docstring).
 
@@ -189,14 +252,18 @@ class ControlPlane(abc.ABC):
     collective of this control plane or of a data communicator."""
 
     @abc.abstractmethod
-    def bitwise_and(
-        self, words: np.ndarray, waiting: Callable[[], None] | None = None
-    ) -> np.ndarray:
-        """Returns the bitwise AND of the ``uint8`` vector ``words`` over all ranks.
+    def start_bitwise_and(self, words: np.ndarray) -> Pending:
+        """Starts the bitwise AND of the ``uint8`` vector ``words`` over all ranks; the
+        :class:`Pending` it returns has the AND as its result. Wait for it with
+        :func:`waits`."""
 
-        ``waiting()`` is called now and then while the other ranks have not arrived yet; it
-        may raise to give up (the job is ending).
-        """
+    def bitwise_and(self, words: np.ndarray) -> np.ndarray:
+        """The bitwise AND of the ``uint8`` vector ``words`` over all ranks, waited for to
+        the end (:meth:`start_bitwise_and` for a caller that may give up)."""
+        pending = self.start_bitwise_and(words)
+        for _ in waits(pending):
+            pass
+        return pending.result()
 
     @abc.abstractmethod
     def gather(self, payload: Any) -> list[Any] | None:

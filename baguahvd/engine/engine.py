@@ -203,7 +203,8 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="baguahvd-engine", daemon=True)
         # Alarms are looked for by the watchdog when the control plane lets a second thread
         # in while the engine thread waits inside a collective; otherwise only by the engine
-        # thread (see EngineLoop._waiting), which cannot while it is blocked in a data collective.
+        # thread between its waits in the negotiation (EngineLoop._give_up_if_stopped), which
+        # it cannot do while it is blocked in a data collective.
         self._watchdog = Watchdog(
             self.rank, identities, lambda: self._loop.cycles, self._peer_lost,
             self.config.peer_timeout_s,

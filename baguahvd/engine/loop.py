@@ -1,11 +1,16 @@
 """The engine thread: one cycle after another until the job ends.
 
 Each cycle (:meth:`EngineLoop.cycle`) asks the parts in turn and acts on what they return:
-the intake's new requests go to the negotiator; the negotiator's agreed work (cached hits,
-then rank 0's responses) goes through the fusion plan to the dispatcher, unit by unit; what
-the cycle decided about autotune settings is applied at its end. The protocol is in
-:mod:`baguahvd.engine.engine`; a failure on this thread ends the job as
-:meth:`EngineLoop.run` says.
+the intake's new requests go to the negotiator; the negotiator's announcement goes into the
+bitwise AND over the ranks; the negotiator reads the AND and returns the agreed work (cached
+hits, then rank 0's responses), which goes through the fusion plan to the dispatcher, unit
+by unit; what the cycle decided about autotune settings is applied at its end.
+
+The AND is the cycle's one wait for the other ranks, and this loop does it: the control
+plane only starts it, and between the waits of :func:`~baguahvd.backends.base.waits` the
+loop checks whether the engine has stopped (a peer's alarm, a lost peer) and gives up then.
+Nothing below calls back into the engine. The protocol is in :mod:`baguahvd.engine.engine`;
+a failure on this thread ends the job as :meth:`EngineLoop.run` says.
 """
 
 from __future__ import annotations
@@ -15,9 +20,10 @@ import os
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from baguahvd.backends.base import ControlPlane
+from baguahvd.backends.base import ControlPlane, waits
 from baguahvd.common.config import Config
 from baguahvd.common.exceptions import HorovodInternalError, PeerFailureError, ShutDownError
 from baguahvd.engine.autotune import Autotuner, Settings
@@ -42,6 +48,10 @@ from baguahvd.engine.submission import Submissions
 from baguahvd.engine.timeline import Timeline
 
 logger = logging.getLogger("baguahvd.engine")
+
+ATTRIBUTION_S = 5.0
+"""How long the engine thread looks for the cause of a failed bitwise AND (the rank that
+died) before it raises the transport's error."""
 
 
 class _Abandoned(Exception):
@@ -161,7 +171,7 @@ class EngineLoop:
         words = negotiation.announcement(notice, busy=len(self.dispatch.pending) > 0)
         # From here until the cycle ends, ranks are in the middle of the same exchange.
         lifecycle.begin_cycle()
-        agreed = self.control.bitwise_and(words, self._waiting)
+        agreed = self._bitwise_and(words)
         if negotiation.end_agreed(agreed):
             # Some rank announced the end of the job: this cycle runs nothing, and the
             # device units every rank launched finish first.
@@ -227,9 +237,32 @@ class EngineLoop:
         request) pairs) before fusing and running it (mid-cycle). A test replaces it with a
         function that raises, to see how the ranks end a job whose engine fails there."""
 
-    def _waiting(self) -> None:
-        """Called while the engine thread waits for the other ranks in a negotiation: gives
-        up once the engine has stopped (a peer's alarm, a lost peer), so the thread ends."""
+    def _bitwise_and(self, words: np.ndarray) -> np.ndarray:
+        """The cycle's bitwise AND over the ranks. While the others have not all come, the
+        engine thread checks between waits whether the engine has stopped (a peer's alarm,
+        a lost peer) and gives up then: the job is ending."""
+        pending = self.control.start_bitwise_and(words)
+        waiting = waits(pending)
+        while True:
+            try:
+                next(waiting)
+            except StopIteration:
+                return pending.result()
+            except RuntimeError:
+                # The exchange failed on this rank (gloo: a peer's connection closed). Its
+                # error names an address, not a rank: the watchdog usually names the rank
+                # that died (or a peer's alarm says why it left) within moments.
+                deadline = time.monotonic() + ATTRIBUTION_S
+                while time.monotonic() < deadline:
+                    self._give_up_if_stopped()
+                    time.sleep(0.05)
+                raise
+            self._give_up_if_stopped()
+
+    def _give_up_if_stopped(self) -> None:
+        """Between two waits for the other ranks: takes in a peer's alarm where no other
+        thread may (see :attr:`ControlPlane.threads_multiple`), and ends the wait once the
+        engine has stopped."""
         if not self.control.threads_multiple and self.lifecycle.check_alarm():
             self.fail_pending()
         if self.lifecycle.error is not None:

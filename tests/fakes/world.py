@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from baguahvd.backends.base import Communicator, ControlPlane, DeviceCommFactory
+from baguahvd.backends.base import Communicator, ControlPlane, DeviceCommFactory, Pending
 from baguahvd.common.config import Config
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.clock import SYSTEM_CLOCK
@@ -65,23 +65,33 @@ class World:
         rank: int,
         members: int,
         value: Any,
-        waiting: Callable[[], None] | None = None,
         timeout_s: float | None = None,
     ) -> dict[int, Any] | None:
         """Leaves ``value`` at meeting ``key`` and returns everyone's values by rank once
         ``members`` ranks came; ``None`` after ``timeout_s``."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.arrive(key, rank, value)
         with self._cond:
-            meeting = self._meetings.setdefault(key, {})
-            meeting[rank] = value
-            self._cond.notify_all()
-            while len(meeting) < members and not self.closed:
+            while not self._ready(key, members):
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
                 self._cond.wait(0.002)
-                if waiting is not None:
-                    waiting()
-            if len(meeting) == members:
+        values = self.collect(key, members)
+        assert values is not None
+        return values
+
+    def arrive(self, key: tuple[object, ...], rank: int, value: Any) -> None:
+        """Leaves ``value`` at meeting ``key`` without waiting (see :meth:`collect`)."""
+        with self._cond:
+            self._meetings.setdefault(key, {})[rank] = value
+            self._cond.notify_all()
+
+    def collect(self, key: tuple[object, ...], members: int) -> dict[int, Any] | None:
+        """Everyone's values at meeting ``key`` by rank once ``members`` ranks came, else
+        None; never blocks, except in a closed world (see module docstring)."""
+        with self._cond:
+            meeting = self._meetings.get(key, {})
+            if len(meeting) >= members:
                 values = dict(meeting)
                 left = self._left.get(key, 0) + 1
                 if left == members:
@@ -90,9 +100,21 @@ class World:
                 else:
                     self._left[key] = left
                 return values
+            if not self.closed:
+                return None
         # Closed while waiting for a rank that never comes: block for good.
         self._never.wait()
         raise AssertionError("unreachable")
+
+    def pause(self, key: tuple[object, ...], members: int, timeout_s: float) -> None:
+        """Waits until meeting ``key`` is complete, the world closes or ``timeout_s`` has
+        passed (2 ms at least: an arrival ends the wait anyway)."""
+        with self._cond:
+            if not self._ready(key, members):
+                self._cond.wait(max(timeout_s, 0.002))
+
+    def _ready(self, key: tuple[object, ...], members: int) -> bool:
+        return len(self._meetings.get(key, ())) >= members or self.closed
 
     def group_key(self, rank: int, ranks: tuple[int, ...]) -> tuple[object, ...]:
         """The channel of the next communicator of ``ranks`` this rank creates."""
@@ -138,13 +160,13 @@ class _Endpoint:
         self.members = members
         self._calls = 0
 
-    def meet(
-        self, value: Any, waiting: Callable[[], None] | None = None,
-        timeout_s: float | None = None,
-    ) -> dict[int, Any] | None:
+    def next_key(self) -> tuple[object, ...]:
         key = (*self.channel, self._calls)
         self._calls += 1
-        return self.world.meet(key, self.rank, self.members, value, waiting, timeout_s)
+        return key
+
+    def meet(self, value: Any, timeout_s: float | None = None) -> dict[int, Any] | None:
+        return self.world.meet(self.next_key(), self.rank, self.members, value, timeout_s)
 
     def all(self, value: Any) -> list[Any]:
         values = self.meet(value)
@@ -156,6 +178,9 @@ class MemoryControlPlane(ControlPlane):
     """One rank's :class:`ControlPlane` in a :class:`World`."""
 
     threads_multiple = True
+    fail_next: BaseException | None = None
+    """Raised (once) by the next bitwise AND, which never reaches the others: a failure of
+    the exchange on this rank only (gloo's, when a peer's connection closes)."""
 
     def __init__(self, world: World, rank: int) -> None:
         self.world = world
@@ -163,16 +188,13 @@ class MemoryControlPlane(ControlPlane):
         self.size = world.size
         self._negotiation = _Endpoint(world, ("control",), rank, world.size)
 
-    def bitwise_and(
-        self, words: np.ndarray, waiting: Callable[[], None] | None = None
-    ) -> np.ndarray:
+    def start_bitwise_and(self, words: np.ndarray) -> Pending:
         self.world.count("bitwise_and")
-        values = self._negotiation.meet(words.copy(), waiting)
-        assert values is not None
-        result = words.copy()
-        for other in values.values():
-            result &= other
-        return result
+        key = self._negotiation.next_key()
+        failure, self.fail_next = self.fail_next, None
+        if failure is None:
+            self.world.arrive(key, self.rank, words.copy())
+        return _MemoryAnd(self.world, key, self.rank, words, failure)
 
     def gather(self, payload: Any) -> list[Any] | None:
         self.world.count("gather")
@@ -213,6 +235,39 @@ class MemoryControlPlane(ControlPlane):
 
     def end_process(self, status: int) -> None:
         self.world.exits.append((self.rank, status))
+
+
+class _MemoryAnd(Pending):
+    """One rank's bitwise AND at a meeting of a :class:`World`."""
+
+    def __init__(
+        self, world: World, key: tuple[object, ...], rank: int, words: np.ndarray,
+        failure: BaseException | None = None,
+    ) -> None:
+        self._world = world
+        self._key = key
+        self._rank = rank
+        self._result = words.copy()
+        self._failure = failure
+        self._done = False
+
+    def test(self) -> bool:
+        if self._failure is not None:
+            raise self._failure
+        if not self._done:
+            values = self._world.collect(self._key, self._world.size)
+            if values is None:
+                return False
+            for other in values.values():
+                self._result &= other
+            self._done = True
+        return True
+
+    def wait(self, timeout_s: float) -> None:
+        self._world.pause(self._key, self._world.size, timeout_s)
+
+    def result(self) -> np.ndarray:
+        return self._result
 
 
 class MemoryCommunicator(Communicator):

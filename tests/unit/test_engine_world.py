@@ -20,6 +20,7 @@ from baguahvd.common.exceptions import (
     StallError,
 )
 from baguahvd.common.ops import ReduceOp
+from baguahvd.engine import loop
 from baguahvd.engine.engine import GLOBAL_PROCESS_SET_ID, Engine
 from baguahvd.engine.lifecycle.states import State
 from baguahvd.engine.messages import OpType
@@ -495,6 +496,43 @@ def test_a_survivor_that_never_leaves_delays_the_abort_by_the_exit_timeout() -> 
         job.engines[0].leave_job()
         assert 0.3 <= time.monotonic() - started < 5.0
         assert job.world.aborts == [(0, 1)]
+    finally:
+        job.close()
+
+
+def test_a_failed_bitwise_and_waits_for_the_watchdog_to_name_the_lost_peer() -> None:
+    # gloo fails the exchange as soon as a dead peer's connection closes, with an error that
+    # names an address: the engine thread waits a while for its watchdog to name the rank.
+    job = start_job(SIZE, exit_timeout_s=10.0)
+    try:
+        job.controls[0].fail_next = RuntimeError("Connection closed by peer [10.0.0.2]:4242")
+        _wait_for(lambda: job.controls[0].fail_next is None)
+        time.sleep(0.2)
+        for handle in _lose_rank_1(job):
+            with pytest.raises(PeerFailureError) as info:
+                handle.wait()
+            assert info.value.rank == 1 and info.value.reason == "its process is gone"
+        # Rank 0's engine thread stopped waiting once the peer was named.
+        thread = job.engines[0]._thread
+        assert thread is not None
+        thread.join(2.0)
+        assert not thread.is_alive()
+    finally:
+        job.close()
+
+
+def test_a_failed_bitwise_and_that_nobody_explains_ends_the_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(loop, "ATTRIBUTION_S", 0.2)
+    job = start_job(SIZE)
+    try:
+        job.controls[0].fail_next = RuntimeError("Connection closed by peer [10.0.0.2]:4242")
+        _wait_for(lambda: job.engines[0].state is State.LEAVING)
+        for rank in (1, 2):
+            with pytest.raises(PeerFailureError) as info:
+                _allreduce(job.engines[rank], torch.ones(1), "x").wait()
+            assert info.value.rank == 0 and "Connection closed by peer" in str(info.value)
     finally:
         job.close()
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from baguahvd.backends.gloo import GlooControlPlane, GlooWorld, communicator
+from baguahvd.backends.gloo import GlooControlPlane, GlooWorld
 from baguahvd.common.ops import ReduceOp
 
 
@@ -211,26 +211,25 @@ class _FailedWork:
         raise RuntimeError("Connection closed by peer [127.0.0.1]:1234")
 
 
-def test_a_failed_collective_leaves_the_engine_time_to_name_the_peer(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    class PeerNamed(Exception):
-        pass
+class _ClosedGroup:
+    """A process group one of whose peers closed its connection."""
 
-    calls = []
+    def allreduce(self, tensors: list[torch.Tensor], options: Any) -> _FailedWork:
+        return _FailedWork()
 
-    def waiting() -> None:
-        calls.append(1)
-        if len(calls) == 3:
-            raise PeerNamed
 
-    with pytest.raises(PeerNamed):
-        communicator.poll(_FailedWork(), waiting)
-    monkeypatch.setattr(communicator, "ATTRIBUTION_S", 0.1)
-    with pytest.raises(RuntimeError, match="Connection closed"):
-        communicator.poll(_FailedWork(), lambda: None)
-    with pytest.raises(RuntimeError, match="Connection closed"):
-        communicator.poll(_FailedWork(), None)
+def test_a_failed_bitwise_and_raises_gloo_s_error_and_marks_the_world_failed() -> None:
+    # The engine waits a while for the cause (the dead rank) before it raises, and the
+    # watchdog names a gone peer at once when the world has failed.
+    def body(control: GlooControlPlane) -> bool:
+        control._group = _ClosedGroup()
+        pending = control.start_bitwise_and(np.array([0xFF], dtype=np.uint8))
+        assert not control.collective_failed()
+        with pytest.raises(RuntimeError, match="Connection closed"):
+            pending.test()
+        return control.collective_failed()
+
+    assert run_ranks(1, body) == [True]
 
 
 class _GoneStore:

@@ -14,7 +14,6 @@ reduce-scatter wants equal blocks too, so unequal ones are reduced in full and s
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -283,40 +282,3 @@ class PendingWork:
             self._keep_alive = ()
         return self._done
 
-
-def poll(
-    work: Any, waiting: Callable[[], None] | None, failed: threading.Event | None = None
-) -> None:
-    """Waits for gloo ``work`` by testing between short sleeps (which leave the CPU and the
-    GIL to others); ``waiting()`` is called between tests once the wait is no longer short
-    and may raise to give up.
-
-    Where MPI would wait forever for a peer that died, gloo fails the collective as soon as
-    the peer's connection closes. The error names an address, not a rank; so ``waiting()``
-    is given :data:`ATTRIBUTION_S` seconds more first, in which the engine's watchdog
-    usually names the rank that died (or a peer's alarm says why it left), before gloo's
-    error is raised.
-    """
-    delay = 5e-6
-    while not work.is_completed():
-        time.sleep(delay)
-        if delay < 1e-4:
-            delay = min(delay * 2, 1e-4)
-        elif waiting is not None:
-            waiting()
-    try:
-        work.wait()
-    except RuntimeError:
-        if failed is not None:
-            failed.set()
-        if waiting is None:
-            raise
-        deadline = time.monotonic() + ATTRIBUTION_S
-        while time.monotonic() < deadline:
-            waiting()
-            time.sleep(0.05)
-        raise
-
-
-ATTRIBUTION_S = 5.0
-"""How long :func:`poll` lets the engine name a failed peer before raising gloo's error."""

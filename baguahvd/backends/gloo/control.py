@@ -27,15 +27,15 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from baguahvd.backends.base import ControlPlane
-from baguahvd.backends.gloo.communicator import GlooCommunicator, poll, reduce_options, wait
+from baguahvd.backends.base import ControlPlane, Pending
+from baguahvd.backends.gloo.communicator import GlooCommunicator, reduce_options, wait
 from baguahvd.backends.gloo.setup import GlooWorld
 
 logger = logging.getLogger("baguahvd")
@@ -61,15 +61,11 @@ class GlooControlPlane(ControlPlane):
 
     # -- the lockstep protocol (engine thread) ------------------------------------------
 
-    def bitwise_and(
-        self, words: np.ndarray, waiting: Callable[[], None] | None = None
-    ) -> np.ndarray:
-        """The bitwise AND of the ``uint8`` vector ``words`` over all ranks; waits by
-        testing between short sleeps and calls ``waiting()`` meanwhile, like the MPI one."""
+    def start_bitwise_and(self, words: np.ndarray) -> Pending:
+        """Starts the bitwise AND of the ``uint8`` vector ``words`` over all ranks."""
         result = torch.from_numpy(np.array(words, dtype=np.uint8, copy=True))
         work = self._group.allreduce([result], reduce_options(dist.ReduceOp.BAND))
-        poll(work, waiting, self.world.failed)
-        return result.numpy()
+        return _PendingAnd(work, result, self.world.failed)
 
     def gather(self, payload: Any) -> list[Any] | None:
         """Pickles ``payload`` to rank 0; returns the list (by rank) there, ``None`` elsewhere.
@@ -202,6 +198,29 @@ class GlooControlPlane(ControlPlane):
 
     def free(self) -> None:
         self._group = None
+
+
+class _PendingAnd(Pending):
+    """A gloo allreduce under way, with the tensor it reduces in place.
+
+    Where MPI would wait forever for a peer that died, gloo fails the collective as soon as
+    the peer's connection closes: :meth:`test` then sets the world's ``failed`` (the
+    watchdog names a gone peer at once after that) and raises gloo's error.
+    """
+
+    def __init__(self, work: Any, result: torch.Tensor, failed: threading.Event) -> None:
+        self._work = work
+        self._result = result
+        self._failed = failed
+
+    def test(self) -> bool:
+        if not self._work.is_completed():
+            return False
+        wait(self._work, self._failed)  # raises the collective's error, if any
+        return True
+
+    def result(self) -> np.ndarray:
+        return self._result.numpy()
 
 
 def _own_connection(store: Any) -> Any:

@@ -24,14 +24,14 @@ import fcntl
 import ipaddress
 import socket
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from baguahvd.backends.base import Communicator, ControlPlane
+from baguahvd.backends.base import Communicator, ControlPlane, Pending
 from baguahvd.backends.gloo.communicator import GlooCommunicator
 from baguahvd.backends.gloo.setup import GlooWorld
 
@@ -170,10 +170,8 @@ class SplitControlPlane(ControlPlane):
             return None
         return TwinnedCommunicator(self.world.group(sorted(ranks), "data"), twin)
 
-    def bitwise_and(
-        self, words: np.ndarray, waiting: Callable[[], None] | None = None
-    ) -> np.ndarray:
-        return self.control.bitwise_and(words, waiting)
+    def start_bitwise_and(self, words: np.ndarray) -> Pending:
+        return self.control.start_bitwise_and(words)
 
     def gather(self, payload: Any) -> list[Any] | None:
         return self.control.gather(payload)

@@ -13,17 +13,14 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from baguahvd.backends.base import ControlPlane
+from baguahvd.backends.base import ControlPlane, Pending
 from baguahvd.backends.mpi.communicator import MPICommunicator
-
-_SPIN_S = 50e-6
-"""How long a negotiation polls, yielding, before it waits between sleeps."""
 
 # Tags of the alarm communicator (see MPIControlPlane.raise_alarm).
 _TAG_ALARM = 1
@@ -51,37 +48,12 @@ class MPIControlPlane(ControlPlane):
         self.threads_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         """Whether a second thread may call MPI while the engine thread is inside MPI."""
 
-    def bitwise_and(
-        self, words: np.ndarray, waiting: Callable[[], None] | None = None
-    ) -> np.ndarray:
-        """Returns the bitwise AND of ``words`` over all ranks.
-
-        Waits by testing between short sleeps rather than in MPI's busy wait or a Python
-        spin: a sleeping thread leaves both the CPU (ranks are often oversubscribed) and the
-        GIL (the training thread needs it) to others. ``waiting()`` is called between tests
-        once the wait takes longer than a few sleeps; it may raise to give up (the request
-        is then left pending: the job is ending).
-        """
+    def start_bitwise_and(self, words: np.ndarray) -> Pending:
+        """Starts the bitwise AND of ``words`` over all ranks (a non-blocking MPI
+        allreduce)."""
         result = np.empty_like(words)
         request = self.comm.Iallreduce([words, MPI.BYTE], [result, MPI.BYTE], op=MPI.BAND)
-        test = request.Test
-        # The other ranks' words usually come within microseconds (they are waiting too):
-        # poll, yielding the core, before sleeping; a sleep would end late.
-        spin_end = time.perf_counter() + _SPIN_S
-        while not test():
-            if time.perf_counter() >= spin_end:
-                break
-            os.sched_yield()
-        else:
-            return result
-        delay = 5e-6
-        while not test():
-            time.sleep(delay)
-            if delay < 1e-4:
-                delay = min(delay * 2, 1e-4)
-            elif waiting is not None:
-                waiting()
-        return result
+        return _PendingAnd(request, words, result)
 
     def gather(self, payload: Any) -> list[Any] | None:
         """Pickles ``payload`` to rank 0; returns the list (by rank) there, ``None`` elsewhere."""
@@ -198,3 +170,18 @@ class MPIControlPlane(ControlPlane):
     def free(self) -> None:
         self.comm.Free()
         self._alarm_comm.Free()
+
+
+class _PendingAnd(Pending):
+    """An ``Iallreduce`` under way, with the buffers it reads and writes."""
+
+    def __init__(self, request: Any, words: np.ndarray, result: np.ndarray) -> None:
+        self._request = request
+        self._words = words
+        self._result = result
+
+    def test(self) -> bool:
+        return bool(self._request.Test())
+
+    def result(self) -> np.ndarray:
+        return self._result
