@@ -3,8 +3,9 @@
 Each cycle (:meth:`EngineLoop.cycle`) asks the parts in turn and acts on what they return:
 the intake's new requests go to the negotiator; the negotiator's announcement goes into the
 bitwise AND over the ranks; the negotiator reads the AND and returns the agreed work (cached
-hits, then rank 0's responses), which goes through the fusion plan to the dispatcher, unit
-by unit; what the cycle decided about autotune settings is applied at its end.
+hits, then rank 0's responses), and files the negotiated responses in the response cache
+before any runs; the work goes through the fusion plan to the dispatcher, unit by unit; what
+the cycle decided about autotune settings is applied at its end.
 
 The AND is the cycle's one wait for the other ranks, and this loop does it: the control
 plane only starts it, and between the waits of :func:`~baguahvd.backends.base.waits` the
@@ -192,7 +193,12 @@ class EngineLoop:
                 # Ran (or failed) while this rank had joined: count it, before the join can
                 # return, so that this rank's next unnamed collective pairs with the others'.
                 self.submissions.skip_unnamed(response.meta.process_set_id, response.meta.key)
+        # Every rank files the same responses in the same order before any runs (see
+        # Negotiator.file_responses); requests that waited on a set removed in this cycle
+        # fail once its removal has run.
+        orphans = negotiation.file_responses(negotiated)
         self.executing = [request for _, request in entries if request is not None]
+        self.executing += [request for waited in orphans.values() for request in waited]
         timeline = self.timeline
         if timeline is not None and timeline.active and entries:
             timeline.cycle_started()
@@ -210,10 +216,8 @@ class EngineLoop:
                 raise CollectiveFailure(unit, exc) from exc
             response = unit[0][0]
             if response.meta.op == OpType.REMOVE_PROCESS_SET and response.error is None:
-                self._forget_process_set(response.meta.payload[0])
+                self._removed(response.meta.payload[0], orphans.pop(response.meta.payload[0]))
         self.executing = []
-        for response, own in negotiated:
-            negotiation.remember(response, own)
         self.queue.release_retries()
         if self.tuner is not None and not self.tuner.frozen:
             proposal = self.tuner.record(_reduced(entries))
@@ -313,12 +317,12 @@ class EngineLoop:
         self.fail_pending()
         lifecycle.leave_mid_cycle(reason)
 
-    def _forget_process_set(self, ident: int) -> None:
+    def _removed(self, ident: int, orphans: list[Request]) -> None:
         # The requests that waited on a removed set's cached responses can never run.
         deliver([
             Outcome(request, error=HorovodInternalError(
                 f"{request.meta.name}: process set {ident} was removed."))
-            for request in self.negotiation.forget_process_set(ident)
+            for request in orphans
         ], self.timeline)
 
     def fail_pending(self) -> None:

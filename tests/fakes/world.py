@@ -56,6 +56,8 @@ class World:
         """(rank, code) of every abort()."""
         self.closed = False
         self._never = threading.Event()
+        self._holding = False
+        self._held: set[int] = set()
         self.calls: dict[str, int] = {}
         """How often each control-plane operation ran (counted once per rank)."""
 
@@ -86,10 +88,18 @@ class World:
             self._meetings.setdefault(key, {})[rank] = value
             self._cond.notify_all()
 
-    def collect(self, key: tuple[object, ...], members: int) -> dict[int, Any] | None:
+    def collect(
+        self, key: tuple[object, ...], members: int, held: int | None = None
+    ) -> dict[int, Any] | None:
         """Everyone's values at meeting ``key`` by rank once ``members`` ranks came, else
-        None; never blocks, except in a closed world (see module docstring)."""
+        None; never blocks, except in a closed world (see module docstring). ``held``: the
+        rank of a bitwise AND, which does not complete while the world holds them (see
+        :meth:`hold`)."""
         with self._cond:
+            if held is not None and self._holding:
+                self._held.add(held)
+                self._cond.notify_all()
+                return None
             meeting = self._meetings.get(key, {})
             if len(meeting) >= members:
                 values = dict(meeting)
@@ -110,11 +120,35 @@ class World:
         """Waits until meeting ``key`` is complete, the world closes or ``timeout_s`` has
         passed (2 ms at least: an arrival ends the wait anyway)."""
         with self._cond:
-            if not self._ready(key, members):
+            if self._holding or not self._ready(key, members):
                 self._cond.wait(max(timeout_s, 0.002))
 
     def _ready(self, key: tuple[object, ...], members: int) -> bool:
         return len(self._meetings.get(key, ())) >= members or self.closed
+
+    def hold(self) -> None:
+        """Keeps every bitwise AND from completing until :meth:`release`: once every
+        engine waits in one (:meth:`wait_held`), what the ranks submit meanwhile is taken
+        by their next cycle, all of it at once."""
+        with self._cond:
+            self._holding = True
+            self._held.clear()
+
+    def wait_held(self, timeout_s: float = 10.0) -> None:
+        """Returns once every rank waits in a bitwise AND that :meth:`hold` holds."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while len(self._held) < self.size:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(self._held)} of {self.size} ranks are held")
+                self._cond.wait(left)
+
+    def release(self) -> None:
+        """Lets the bitwise ANDs complete again."""
+        with self._cond:
+            self._holding = False
+            self._cond.notify_all()
 
     def group_key(self, rank: int, ranks: tuple[int, ...]) -> tuple[object, ...]:
         """The channel of the next communicator of ``ranks`` this rank creates."""
@@ -255,7 +289,7 @@ class _MemoryAnd(Pending):
         if self._failure is not None:
             raise self._failure
         if not self._done:
-            values = self._world.collect(self._key, self._world.size)
+            values = self._world.collect(self._key, self._world.size, held=self._rank)
             if values is None:
                 return False
             for other in values.values():

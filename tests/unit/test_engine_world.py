@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from baguahvd.common.exceptions import (
+    HorovodInternalError,
     MismatchError,
     PeerFailureError,
     ShutDownError,
@@ -262,6 +263,65 @@ def test_a_dynamic_process_set_runs_only_its_members(job: Job) -> None:
         return _result(_allreduce(engine, torch.tensor([float(rank)]), "sub", ident)).item()
 
     assert job.run(body) == [2.0, None, 2.0]
+
+
+def test_a_set_s_collective_and_its_removal_in_one_cycle_leave_the_caches_the_same() -> None:
+    # Two slots: "a" of the global set, then "s" of set 1, used last. One cycle then agrees
+    # a new "b", set 1's "t" and set 1's removal. Each rank files the cycle's responses
+    # before they run, the removed set's entries going first: "b" takes "s"'s slot, as if
+    # filed after the removal; "t" is not cached; "a" stays.
+    job = start_job(SIZE, cache_capacity=2)
+    try:
+        ident = job.run(lambda rank, engine: _add_process_set(engine, (0, 2)))[0]
+
+        def run(name: str, process_set_id: int = GLOBAL_PROCESS_SET_ID) -> None:
+            job.run(lambda rank, engine: None if rank not in (0, 2) and process_set_id else
+                    _result(_allreduce(engine, torch.ones(1), name, process_set_id)))
+
+        run("a")
+        run("s", ident)
+        before = [dict(engine._loop.negotiation.cache._slots) for engine in job.engines]
+        assert sorted(key for _, key in before[0]) == ["allreduce.a", "allreduce.s"]
+        job.world.hold()
+        job.world.wait_held()
+        gathers = job.world.calls["gather"]
+
+        def submit(rank: int, engine: Engine) -> list[Handle]:
+            handles = [_allreduce(engine, torch.ones(1), "b")]
+            if rank != 1:
+                handles.append(_allreduce(engine, torch.ones(1), "t", ident))
+            return [*handles, engine.submit(
+                OpType.REMOVE_PROCESS_SET, "remove_process_set", GLOBAL_PROCESS_SET_ID, [],
+                None, payload=(ident,))]
+
+        # Rank 0 alone calls "s" again: it waits on "s"'s entry, which the removal evicts.
+        orphan = _allreduce(job.engines[0], torch.ones(1), "s", ident)
+        handles = job.run(submit)
+        job.world.release()
+        for rank_handles in handles:
+            for handle in rank_handles:
+                handle.wait()
+        with pytest.raises(HorovodInternalError, match=f"process set {ident} was removed"):
+            orphan.wait()
+        # All three were agreed in one exchange.
+        assert job.world.calls["gather"] == gathers + SIZE
+        slots = before[0]
+        expected = {
+            (GLOBAL_PROCESS_SET_ID, "allreduce.a"): slots[(GLOBAL_PROCESS_SET_ID, "allreduce.a")],
+            (GLOBAL_PROCESS_SET_ID, "allreduce.b"): slots[(ident, "allreduce.s")],
+        }
+        for engine in job.engines:
+            assert engine._loop.negotiation.cache._slots == expected
+            assert ident not in engine.process_sets
+    finally:
+        job.close()
+
+
+def _add_process_set(engine: Engine, ranks: tuple[int, ...]) -> int:
+    handle = engine.submit(OpType.ADD_PROCESS_SET, "add_process_set", 0, [], None,
+                           payload=ranks)
+    handle.wait()
+    return int(handle.extra)
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 
 The parts: :mod:`.negotiator` (one rank's side: what it announces each cycle and what it
 learns), :mod:`.bits` (the announced byte vector), :mod:`.coordinator` (rank 0 matches
-requests across ranks), :mod:`.cache` (the response cache) and :mod:`.stall` (rank 0's
-stall inspector).
+requests across ranks), :mod:`.cache` (the response cache), :mod:`.window` (the unnamed
+requests that wait on the cache) and :mod:`.stall` (rank 0's stall inspector).
 
 Each cycle every rank runs the same exchange on the control plane:
 
@@ -40,8 +40,9 @@ mismatch error). A rank whose oldest unnamed request misses the cache sends all 
 full, and later ones follow in full until those are agreed.
 
 The cycle's agreed work is the cached hits (in slot order) followed by rank 0's responses.
-Every rank then caches the same responses in the same order
-(:meth:`.negotiator.Negotiator.remember`), which keeps the caches identical. While a rank
-has joined, nothing is answered from the cache: cached announcements cannot count ranks that
-joined.
+Before any of it runs, every rank caches the same responses in the same order
+(:meth:`.negotiator.Negotiator.file_responses`), which keeps the caches identical; the
+entries of a set that the cycle removes are evicted first and its responses are not cached,
+as its removal will evict them. While a rank has joined, nothing is answered from the
+cache: cached announcements cannot count ranks that joined.
 """

@@ -10,7 +10,7 @@ import numpy as np
 
 from baguahvd.backends.base import ControlPlane
 from baguahvd.engine.autotune import Settings
-from baguahvd.engine.messages import Response
+from baguahvd.engine.messages import OpType, Response
 from baguahvd.engine.negotiation.bits import (
     FLAG_IDLE,
     FLAG_NO_SHUTDOWN,
@@ -31,7 +31,7 @@ from baguahvd.engine.negotiation.cache import (
 )
 from baguahvd.engine.negotiation.coordinator import Coordinator
 from baguahvd.engine.negotiation.stall import StallInspector
-from baguahvd.engine.negotiation.window import UnnamedWindow, counted
+from baguahvd.engine.negotiation.window import UnnamedWindow, counted, under_own_names
 from baguahvd.engine.notices import Decision, Notice, RankReport
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Entry, Request
@@ -39,7 +39,6 @@ from baguahvd.engine.timeline import Timeline
 
 IDLE_PAUSE_MAX_S = 0.016
 """The longest pause between the cycles of an engine whose job has nothing pending."""
-
 
 
 class Negotiator:
@@ -253,7 +252,7 @@ class Negotiator:
             for slot, response in zip(slots, self.cache.take(slots))
         ]
         if window:
-            self._settle_unnamed(entries)
+            self.unnamed_pending -= under_own_names(entries)
         if self.unnamed_window and (
             not flags & FLAG_NO_UNNAMED_IN_FULL or (not window and flags & FLAG_UNNAMED_WAITS)
         ):
@@ -282,15 +281,6 @@ class Negotiator:
                     self.unnamed_pending -= 1
             entries.append((response, request))
         return entries
-
-    def _settle_unnamed(self, entries: list[Entry]) -> None:
-        """Unnamed requests that ran from the cache run under their own names."""
-        for index, (response, request) in enumerate(entries):
-            if request is not None and counted(request.meta.process_set_id, request.meta.key):
-                meta = request.meta
-                named = response.meta._replace(key=meta.key, name=meta.name)
-                entries[index] = (response._replace(meta=named), request)
-                self.unnamed_pending -= 1
 
     def negotiate(self, notice: Notice | None) -> Decision:
         """Sends the requests to send (and ``notice``) to rank 0; returns its decision."""
@@ -341,27 +331,34 @@ class Negotiator:
         self.control.bitwise_and(vector(bytes(self._span) + self._all_valid + bytes((flags,))))
         self.exchange(RankReport([], [], notice))
 
-    def remember(self, response: Response, request: Request | None) -> None:
-        """Caches a negotiated response; every rank calls this for the same responses in the
-        same order, so the caches stay identical."""
-        if not response_cacheable(response):
-            return
-        state = self.process_sets.get(response.meta.process_set_id)
-        if state is None:
-            return
-        meta = response.meta
-        key = (
-            cache_key(meta, self.unnamed_window.position(meta.key))
-            if counted(meta.process_set_id, meta.key) else cache_key(meta)
-        )
-        signature = None if request is None else request_signature(request.meta)
-        for slot in self.cache.put(response, signature, state.includes(self.rank), key):
-            # A request admitted as a hit on an entry that is now gone (ranks admit requests
-            # in different cycles) must be negotiated in full, or it waits on a slot that
-            # another name will reuse.
-            waiting = self.waiting_on_cache.pop(slot, None)
-            if waiting is not None:
-                self.to_send.append(waiting)
+    def file_responses(self, negotiated: list[Entry]) -> dict[int, list[Request]]:
+        """Files the cycle's negotiated responses in the cache before they run; every rank
+        calls this with the same responses, so the caches stay identical.
+
+        The entries of a set that the cycle removes go first, as its removal will evict
+        them, and its responses are not cached. Returns, by removed set, the requests that
+        waited on its entries: they can never run.
+        """
+        orphans = {
+            response.meta.payload[0]: self._forget_process_set(response.meta.payload[0])
+            for response, _ in negotiated
+            if response.meta.op == OpType.REMOVE_PROCESS_SET and response.error is None
+        }
+        for response, request in negotiated:
+            ident = response.meta.process_set_id
+            state = self.process_sets.get(ident)
+            if state is None or ident in orphans or not response_cacheable(response):
+                continue
+            signature = None if request is None else request_signature(request.meta)
+            key = self.unnamed_window.cache_key(response.meta)
+            for slot in self.cache.put(response, signature, state.includes(self.rank), key):
+                # A request admitted as a hit on an entry that is now gone (ranks admit
+                # requests in different cycles) must be negotiated in full, or it waits on a
+                # slot that another name will reuse.
+                waiting = self.waiting_on_cache.pop(slot, None)
+                if waiting is not None:
+                    self.to_send.append(waiting)
+        return orphans
 
     # -- stalls, removed sets, the end ------------------------------------------------------
 
@@ -377,9 +374,8 @@ class Negotiator:
             return None
         return self.coordinator.check_stalls(self.process_sets, now)
 
-    def forget_process_set(self, ident: int) -> list[Request]:
-        """Evicts a removed set's entries; returns the requests that waited on them (they
-        can never run)."""
+    def _forget_process_set(self, ident: int) -> list[Request]:
+        """Evicts a removed set's entries; returns the requests that waited on them."""
         self.cache.evict_process_set(ident)
         orphans = []
         for slot, request in list(self.waiting_on_cache.items()):

@@ -1,5 +1,6 @@
-"""One rank's unnamed requests of the global set that wait on the response cache, and the
-positions they are looked up under (the protocol is in :mod:`baguahvd.engine.negotiation`).
+"""One rank's unnamed requests of the global set that wait on the response cache, the
+positions they are looked up and cached under, and the names they run under (the protocol
+is in :mod:`baguahvd.engine.negotiation`).
 
 The request ``noname.N`` is looked up at position ``N - base``, where ``base`` is the number
 of the oldest unnamed collective of the global set not yet agreed. Every rank processes the
@@ -9,9 +10,11 @@ the same collective everywhere.
 
 from __future__ import annotations
 
-from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, UNNAMED_PREFIX, is_unnamed
+from collections.abc import Hashable
+
+from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, UNNAMED_PREFIX, RequestMeta, is_unnamed
 from baguahvd.engine.negotiation.cache import Lookup, ResponseCache, cache_key, request_signature
-from baguahvd.engine.requests import Request
+from baguahvd.engine.requests import Entry, Request
 
 LOOKUPS_MAX = 256
 """The most requests looked up in one cycle: a rank far ahead of its peers looks its
@@ -28,6 +31,19 @@ def counted(process_set_id: int, key: str) -> bool:
     return process_set_id == GLOBAL_PROCESS_SET_ID and is_unnamed(key)
 
 
+def under_own_names(entries: list[Entry]) -> int:
+    """Makes the unnamed requests among a cycle's cached hits run under their own names (the
+    cached response bears the name of the call it was agreed for); returns how many."""
+    settled = 0
+    for index, (response, request) in enumerate(entries):
+        if request is not None and counted(request.meta.process_set_id, request.meta.key):
+            meta = request.meta
+            named = response.meta._replace(key=meta.key, name=meta.name)
+            entries[index] = (response._replace(meta=named), request)
+            settled += 1
+    return settled
+
+
 class UnnamedWindow:
     """The waiting requests, oldest first, and the cache slots this cycle found for them."""
 
@@ -40,7 +56,7 @@ class UnnamedWindow:
         """The number of the oldest unnamed collective of the global set not yet agreed."""
         self._cycle_base = 0
         """:attr:`base` when this cycle's lookup ran: the cycle's responses are cached under
-        positions counted from it (:meth:`position`)."""
+        positions counted from it (:meth:`cache_key`)."""
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -88,9 +104,12 @@ class UnnamedWindow:
         """Counts an unnamed collective of the global set agreed by rank 0."""
         self.base = max(self.base, unnamed_number(key) + 1)
 
-    def position(self, key: str) -> int:
-        """Where an unnamed collective agreed in this cycle is cached."""
-        return unnamed_number(key) - self._cycle_base
+    def cache_key(self, meta: RequestMeta) -> Hashable | None:
+        """The key a response agreed in this cycle is cached under (:func:`cache_key`): an
+        unnamed one of the global set's under its position counted from the cycle's base."""
+        if counted(meta.process_set_id, meta.key):
+            return cache_key(meta, unnamed_number(meta.key) - self._cycle_base)
+        return cache_key(meta)
 
     def take_all(self) -> list[Request]:
         """Empties the window (its requests go to rank 0 in full, or the engine stops)."""
