@@ -180,10 +180,10 @@ class Pending(abc.ABC):
     """A control-plane operation under way (:meth:`ControlPlane.start_bitwise_and`); wait for
     it with :func:`waits`."""
 
-    @abc.abstractmethod
-    def test(self) -> bool:
-        """Whether the operation has completed; never blocks. Raises the operation's error
-        once it failed."""
+    test: Callable[[], bool]
+    """Whether the operation has completed; never blocks. Raises the operation's error once
+    it failed. A method, or the transport's own test where it has one: it is called in a
+    tight loop."""
 
     def wait(self, timeout_s: float) -> None:
         """Waits ``timeout_s``, or less where the transport can end the wait when the

@@ -246,22 +246,21 @@ class EngineLoop:
         engine thread checks between waits whether the engine has stopped (a peer's alarm,
         a lost peer) and gives up then: the job is ending."""
         pending = self.control.start_bitwise_and(words)
-        waiting = waits(pending)
-        while True:
-            try:
-                next(waiting)
-            except StopIteration:
-                return pending.result()
-            except RuntimeError:
-                # The exchange failed on this rank (gloo: a peer's connection closed). Its
-                # error names an address, not a rank: the watchdog usually names the rank
-                # that died (or a peer's alarm says why it left) within moments.
-                deadline = time.monotonic() + ATTRIBUTION_S
-                while time.monotonic() < deadline:
-                    self._give_up_if_stopped()
-                    time.sleep(0.05)
-                raise
-            self._give_up_if_stopped()
+        try:
+            for _ in waits(pending):
+                self._give_up_if_stopped()
+        except _Abandoned:
+            raise
+        except RuntimeError:
+            # The exchange failed on this rank (gloo: a peer's connection closed). Its error
+            # names an address, not a rank: the watchdog usually names the rank that died
+            # (or a peer's alarm says why it left) within moments.
+            deadline = time.monotonic() + ATTRIBUTION_S
+            while time.monotonic() < deadline:
+                self._give_up_if_stopped()
+                time.sleep(0.05)
+            raise
+        return pending.result()
 
     def _give_up_if_stopped(self) -> None:
         """Between two waits for the other ranks: takes in a peer's alarm where no other

@@ -176,12 +176,9 @@ class _PendingAnd(Pending):
     """An ``Iallreduce`` under way, with the buffers it reads and writes."""
 
     def __init__(self, request: Any, words: np.ndarray, result: np.ndarray) -> None:
-        self._request = request
+        self.test = request.Test
         self._words = words
         self._result = result
-
-    def test(self) -> bool:
-        return bool(self._request.Test())
 
     def result(self) -> np.ndarray:
         return self._result
