@@ -8,7 +8,7 @@ shrink or grow in place, so baguahvd recovers it by restarting the job instead:
    copy to the folder: the first rank of every host writes commit ``n`` as
    ``commit-<n>.<host>.pt`` (tensors and plain values, loaded with ``weights_only=True``)
    and its manifest ``commit-<n>.<host>.json`` (job id, host, number, SHA-256), and keeps
-   its previous commit until the new one is synced and read back intact. ``commit()``
+   its previous commit until the new one is synced (loading verifies the checksum). ``commit()``
    only takes the host copy (a device-to-host copy into reused pinned buffers on GPU);
    the write runs on a background thread, one at a time (:mod:`.writer`), and the next
    commit waits for it only if it has not finished. ``BAGUAHVD_ELASTIC_PERSIST_EVERY=k``

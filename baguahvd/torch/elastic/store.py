@@ -4,8 +4,8 @@ Layout and formats are the contract of :mod:`baguahvd.common.elastic_protocol`: 
 ``n`` of a host is a payload ``commit-<n>.<host>.pt`` (``torch.save`` of tensors and plain
 values, read with ``weights_only=True``, so loading cannot run code) and its manifest
 ``commit-<n>.<host>.json`` (format, job id, host, number, payload size and SHA-256), written
-after the payload is synced and read back intact. :class:`CheckpointStore` writes, verifies
-and lists them, falls back from a damaged commit to the one before, and ignores (with a
+after the payload is synced. :class:`CheckpointStore` writes and lists them, verifies each
+when it is loaded, falls back from a damaged commit to the one before, and ignores (with a
 warning naming them) files this job did not write.
 """
 
@@ -74,11 +74,13 @@ class CheckpointStore:
     plain values that is read back with ``weights_only=True`` (so loading cannot run code),
     and ``commit-<n>.<host>.json``, its manifest: format, job id, host, number, payload
     size and SHA-256. Both are written under temporary names, fsynced, and renamed payload
-    first; the payload is read back and checked before the manifest makes it count. A
-    host keeps its two newest commits, so a commit damaged later still leaves one to fall
-    back on. The job id comes from :data:`~baguahvd.common.elastic_protocol.JOB_FILE`,
-    created by the first store that finds none; files of other jobs, unknown names and
-    payloads without a manifest are ignored with a warning naming them.
+    first, so the manifest makes a commit count only once its payload is durable. Loading
+    checks the payload against its manifest (not reading it back after the write, which
+    would read the page cache the write just filled, not the disk). A host keeps its two
+    newest commits, so a commit damaged later still leaves one to fall back on. The job id
+    comes from :data:`~baguahvd.common.elastic_protocol.JOB_FILE`, created by the first
+    store that finds none; files of other jobs, unknown names and payloads without a
+    manifest are ignored with a warning naming them.
 
     Args:
         folder: the elastic folder (created when missing).
@@ -250,7 +252,6 @@ class CheckpointStore:
             TypeError: the payload holds something other than tensors and plain values.
             OSError: the folder could not take the files (e.g. ``ENOSPC``); the earlier
                 commits are left as they were.
-            CommitError: the payload read back from the disk differs from what was written.
         """
         check_plain(payload, "commit")
         buffer = io.BytesIO()
@@ -279,7 +280,6 @@ class CheckpointStore:
             _remove(manifest_path)  # an older manifest must not vouch for the new payload
             os.replace(payload_temporary, payload_path)
             placed = True
-            _verify(payload_path, _read_bytes(payload_path), len(data), digest)
             os.replace(manifest_temporary, manifest_path)
             _fsync_folder(self.folder)
         except BaseException:

@@ -12,8 +12,9 @@ The protocol, for the one :class:`CommitWriter` of a state on the first rank of 
    tensors into pinned host buffers that are reused from one commit to the next, queued on
    each tensor's current stream and marked by an event.
 2. The write thread waits for those events, then runs :meth:`CheckpointStore.write`:
-   ``torch.save``, SHA-256, fsync, the payload read back and checked, and only then the
-   manifest renamed into place, so a commit counts once it is durable and not before.
+   ``torch.save``, SHA-256, fsync, and only then the manifest renamed into place, so a
+   commit counts once it is durable and not before (loading checks it against the
+   manifest).
 3. A failed write is logged at once, at error level, and raised as
    :class:`CommitWriteError` by the next :meth:`~CommitWriter.submit` or
    :meth:`~CommitWriter.wait`. The folder keeps the commits before it.
