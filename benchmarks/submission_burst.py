@@ -6,8 +6,9 @@
         --runs 5 --bursts 20 --json burst.json
 
 Each burst submits ``--count`` named in-place ``allreduce_async_`` (``Sum``, float32,
-``--bytes`` bytes each, one tensor per name) as fast as the caller can, then waits for every
-handle in submission order, as a hand-written gradient loop would. Two figures per burst,
+``--bytes`` bytes each, one tensor per name; ``--unnamed``: without names, paired by their
+order) as fast as the caller can, then waits for every handle in submission order, as a
+hand-written gradient loop would. Two figures per burst,
 each the slowest rank's (every burst starts after a barrier):
 
 - submission: the seconds from the first call to the return of the last, per call (what the
@@ -56,11 +57,14 @@ def _api(system: str) -> Any:
     return hvd if system == "baguahvd" else horovod
 
 
-def _burst_fn(api: Any, count: int, each: int) -> Callable[[MPI.Comm], tuple[float, float]]:
-    """One burst of ``count`` in-place async allreduces with ``api``; returns the slowest
-    rank's (submission seconds per call, completion seconds)."""
+def _burst_fn(
+    api: Any, count: int, each: int, unnamed: bool = False
+) -> Callable[[MPI.Comm], tuple[float, float]]:
+    """One burst of ``count`` in-place async allreduces with ``api`` (``unnamed``: without
+    names, paired by their order); returns the slowest rank's (submission seconds per call,
+    completion seconds)."""
     tensors = [torch.zeros(each) for _ in range(count)]
-    names = [f"burst.{i}" for i in range(count)]
+    names: list[str | None] = [None if unnamed else f"burst.{i}" for i in range(count)]
     size = api.size()
     # One checked burst: every tensor holds rank + 1, the sum is known.
     for tensor in tensors:
@@ -114,7 +118,7 @@ def _run(system: str, args: argparse.Namespace, comm: MPI.Comm) -> dict[str, lis
     api = _api(system)
     api.init()
     try:
-        burst = _burst_fn(api, args.count, args.bytes // 4)
+        burst = _burst_fn(api, args.count, args.bytes // 4, args.unnamed)
         for _ in range(args.warmup):
             burst(comm)
         figures = [burst(comm) for _ in range(args.bursts)]
@@ -135,6 +139,8 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=20, help="timed bursts per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed bursts per run")
     parser.add_argument("--json", help="write every burst's figures here (rank 0)")
+    parser.add_argument("--unnamed", action="store_true",
+                        help="submit without names (paired by their order)")
     args = parser.parse_args()
     systems = [s for s in args.systems if s != "horovod" or horovod is not None]
     unknown = set(systems) - {"baguahvd", "horovod"}
