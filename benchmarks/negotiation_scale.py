@@ -49,6 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from baguahvd.backends.base import Pending  # noqa: E402
 from baguahvd.engine.messages import OpType  # noqa: E402
 from tests.fakes import world as world_module  # noqa: E402
 
@@ -90,15 +91,14 @@ class _QuietWorld(world_module.World):
     """The in-process world with meetings that wake their members once, when the last
     one arrives, instead of every few milliseconds: 256 waiting threads polling would
     keep two cores busy on their own. It drops what a benchmark without failures does
-    not need: the ``waiting`` callback (alarms) and the parking of a closed world."""
+    not need: the parking of a closed world."""
 
     def __init__(self, size: int) -> None:
         super().__init__(size)
         self._arrived: dict[tuple[object, ...], threading.Event] = {}
 
     def meet(self, key: tuple[object, ...], rank: int, members: int, value: Any,
-             waiting: Callable[[], None] | None = None, timeout_s: float | None = None
-             ) -> dict[int, Any] | None:
+             timeout_s: float | None = None) -> dict[int, Any] | None:
         with self._cond:
             meeting = self._meetings.setdefault(key, {})
             meeting[rank] = value
@@ -119,16 +119,30 @@ class _QuietWorld(world_module.World):
         return values
 
 
+class _TimedPending(Pending):
+    """A started bitwise AND whose tests and waits count as the rank's transport time."""
+
+    def __init__(self, inner: Pending, accounting: _Accounting, rank: int) -> None:
+        self._inner, self._accounting, self._rank = inner, accounting, rank
+
+    def test(self) -> bool:
+        return bool(_timed_meet(self._accounting, self._rank, self._inner.test))
+
+    def wait(self, timeout_s: float) -> None:
+        _timed_meet(self._accounting, self._rank, lambda: self._inner.wait(timeout_s))
+
+    def result(self) -> np.ndarray:
+        return self._inner.result()
+
+
 class _PicklingControlPlane(world_module.MemoryControlPlane):
     """The in-memory control plane, with mpi4py's pickling of object payloads."""
 
     accounting: _Accounting
 
-    def bitwise_and(self, words: np.ndarray, waiting: Callable[[], None] | None = None
-                    ) -> np.ndarray:
+    def start_bitwise_and(self, words: np.ndarray) -> Pending:
         self.accounting.thread[self.rank] = threading.get_ident()
-        parent = super().bitwise_and
-        return _timed_meet(self.accounting, self.rank, lambda: parent(words, waiting))
+        return _TimedPending(super().start_bitwise_and(words), self.accounting, self.rank)
 
     def gather(self, payload: Any) -> list[Any] | None:
         data = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)

@@ -185,7 +185,7 @@ def test_an_engine_bug_does_not_leave_peers_hanging(
         from baguahvd.engine.loop import EngineLoop
 
         def broken(self, stage, work):
-            names = [item.meta.name if stage == "admit" else item[0].name for item in work]
+            names = [item.meta.name if stage == "admit" else item[0].meta.name for item in work]
             if stage == "{stage}" and "allreduce.poison" in names:
                 raise RuntimeError("injected engine bug")
 
