@@ -249,8 +249,6 @@ class EngineLoop:
         try:
             for _ in waits(pending):
                 self._give_up_if_stopped()
-        except _Abandoned:
-            raise
         except RuntimeError:
             # The exchange failed on this rank (gloo: a peer's connection closed). Its error
             # names an address, not a rank: the watchdog usually names the rank that died
