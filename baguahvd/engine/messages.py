@@ -65,6 +65,11 @@ def is_unnamed(key: str) -> bool:
     return key.startswith(UNNAMED_PREFIX)
 
 
+def unnamed_number(key: str) -> int:
+    """``N`` of an unnamed request's key ``noname.N``."""
+    return int(key[len(UNNAMED_PREFIX):])
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """How requests and responses name a dtype: ``float32``."""
     return str(dtype).replace("torch.", "")

@@ -33,6 +33,7 @@ from baguahvd.engine.messages import (
     OpType,
     dtype_name,
     is_unnamed,
+    unnamed_number,
 )
 from baguahvd.engine.requests import Request
 
@@ -135,7 +136,7 @@ class Submissions:
         """
         if not is_unnamed(key):
             return
-        number = int(key[len(UNNAMED_PREFIX):])
+        number = unnamed_number(key)
         with self._lock:
             if self._noname.get(process_set_id, 0) <= number:
                 self._noname[process_set_id] = number + 1

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 
-from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, UNNAMED_PREFIX, RequestMeta, is_unnamed
+from baguahvd.engine.messages import (
+    GLOBAL_PROCESS_SET_ID,
+    RequestMeta,
+    is_unnamed,
+    unnamed_number,
+)
 from baguahvd.engine.negotiation.cache import Lookup, ResponseCache, cache_key, request_signature
 from baguahvd.engine.requests import Entry, Request
 
 LOOKUPS_MAX = 256
 """The most requests looked up in one cycle: a rank far ahead of its peers looks its
 waiting requests up again every cycle, so this bounds what a cycle costs it."""
-
-
-def unnamed_number(key: str) -> int:
-    """``N`` of an unnamed request's key ``noname.N``."""
-    return int(key[len(UNNAMED_PREFIX):])
 
 
 def counted(process_set_id: int, key: str) -> bool:
