@@ -36,7 +36,7 @@ from baguahvd.engine.execution.completion import (
     keep_named,
 )
 from baguahvd.engine.execution.dispatch import Dispatcher
-from baguahvd.engine.execution.fusion import plan_fusion, unfused_sizes
+from baguahvd.engine.execution.fusion import FusionPlans, unfused_sizes
 from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.lifecycle.states import Lifecycle, State
 from baguahvd.engine.messages import OpType
@@ -104,6 +104,8 @@ class EngineLoop:
         self.executing: list[Request] = []
         """The requests of the units this cycle runs (failed with the rest if it stops)."""
         self.cycles = 0
+        self.fusion_plans = FusionPlans()
+        """The fusion plans of recent cycles, which a training step's cycles repeat."""
         self.settings = Settings(config.fusion_threshold, config.cycle_time_ms)
         """The fusion threshold and cycle time in use (autotune changes them)."""
         self.settings_changes: list[tuple[int, Settings]] = []
@@ -206,7 +208,7 @@ class EngineLoop:
                 if own is not None:
                     timeline.queued(response.meta.name, response.meta.op, own.activity)
         self.inject_fault("run", entries)
-        for unit in plan_fusion(
+        for unit in self.fusion_plans.plan(
             entries, self.settings.fusion_threshold, self.config.disable_group_fusion,
             unfused_sizes(self.process_sets, self.config.unfused_bytes),
         ):

@@ -7,7 +7,7 @@ import pytest
 
 from baguahvd.backends.base import SelfCommunicator
 from baguahvd.common.ops import ReduceOp
-from baguahvd.engine.execution.fusion import plan_fusion, unfused_sizes
+from baguahvd.engine.execution.fusion import FusionPlans, plan_fusion, unfused_sizes
 from baguahvd.engine.messages import OpType, Response
 from baguahvd.engine.process_sets import ProcessSetState
 from tests.fakes.responses import agreed, redescribed
@@ -159,3 +159,33 @@ def test_unfused_sizes_come_from_the_communicators_unless_configured() -> None:
     assert unfused_sizes(sets, None) == {0: 8 << 20, 1: 0}
     assert unfused_sizes(sets, 0) == {0: 0, 1: 0}
     assert unfused_sizes(sets, 4096) == {0: 4096, 1: 4096}
+
+
+def test_fusion_plans_reuse_a_recurring_cycle_s_plan_and_tell_apart_other_responses() -> None:
+    responses = [
+        _allreduce(f"t{i}", 16 if i % 5 else 150, dtype="float32" if i % 7 else "float64")[0]
+        for i in range(40)
+    ]
+    entries = [(response, f"own{i}") for i, response in enumerate(responses)]
+    plans = FusionPlans()
+    first = plans.plan(entries, 1024, False, {0: 512})
+    assert first == plan_fusion(entries, 1024, False, {0: 512})
+    assert len(first) > 3
+    # The same responses again, carrying other requests: the kept plan, with the new ones.
+    again = [(response, f"next{i}") for i, response in enumerate(responses)]
+    assert plans.plan(again, 1024, False, {0: 512}) == plan_fusion(again, 1024, False, {0: 512})
+    assert len(plans._plans) == 1
+    # Other arguments, or other responses (equal but distinct, or in another order), plan
+    # anew.
+    assert plans.plan(entries, 256, False, {0: 512}) == plan_fusion(entries, 256, False, {0: 512})
+    swapped = [entries[5], *entries[:5], *entries[6:]]
+    assert plans.plan(swapped, 1024) == plan_fusion(swapped, 1024)
+    copies = [(response._replace(), own) for response, own in entries]
+    assert plans.plan(copies, 1024) == plan_fusion(copies, 1024)
+    assert len(plans._plans) == 4
+    # Only the last few plans are kept; small cycles are planned without keeping.
+    for threshold in range(FusionPlans.KEPT + 1):
+        plans.plan(entries, 2000 + threshold)
+    assert len(plans._plans) == FusionPlans.KEPT
+    plans.plan(entries[: FusionPlans.MIN_ENTRIES - 1], 64)
+    assert len(plans._plans) == FusionPlans.KEPT
