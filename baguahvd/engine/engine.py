@@ -68,6 +68,7 @@ from baguahvd.engine.timeline import Timeline
 __all__ = ["GLOBAL_PROCESS_SET_ID", "Engine"]
 
 logger = logging.getLogger("baguahvd.engine")
+_JOIN = OpType.JOIN  # a member looked up on its class costs as much as a dict lookup
 
 
 T = TypeVar("T")
@@ -355,7 +356,8 @@ class Engine:
             return request.handle
         # Only this thread knows its current stream: noted now, read by the engine thread.
         # (Single-member sets run here, in this thread's stream order: nothing to mark.)
-        self._submissions.mark(request)
+        if device != "CPU" or op == _JOIN:
+            self._submissions.mark(request)
         self._queue.put(request, self._lifecycle.stop_error, blocking)
         return request.handle
 

@@ -75,7 +75,13 @@ class RequestQueue:
             if error is not None:
                 raise error
             ident = request.ident
-            holder = self._holder(ident)
+            holder = self._inflight.get(ident)
+            # The common case inline: a name last held by a request that is done, with no
+            # retry waiting, is free (the new request replaces the old in _inflight).
+            if holder is not None and (self._retries or not holder.handle.done()):
+                holder = self._holder(ident)
+            else:
+                holder = None
             if holder is not None:
                 if not holder.meta.failure or ident in self._retries or request.meta.failure:
                     raise DuplicateNameError(request.meta.name)

@@ -38,6 +38,7 @@ from baguahvd.engine.messages import (
 from baguahvd.engine.requests import Request
 
 _DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_JOIN = OpType.JOIN  # a member looked up on its class costs as much as a dict lookup
 
 # Frames in these folders are the library's, not the user's call.
 _LIBRARY_DIRS = (
@@ -115,10 +116,10 @@ class Submissions:
     ) -> tuple[str, str, str]:
         """The negotiation key, the displayed name and the call site (for unnamed requests
         with BAGUAHVD_CHECK_CALL_SITES, else empty) of a call (see module docstring)."""
-        if name is not None and op != OpType.JOIN:
+        if name is not None and op != _JOIN:
             key = f"{label}.{name}"
             return key, key, ""
-        if op == OpType.JOIN:
+        if op == _JOIN:
             return JOIN_KEY, JOIN_KEY, ""
         site = call_site() if self.check_sites else ""
         with self._lock:
@@ -146,11 +147,11 @@ class Submissions:
         CUDA stream, in ``request.mark``, and the device it was submitted from (on the
         submitting thread, before the request is queued)."""
         meta = request.meta
-        if meta.device == "CPU" and meta.op != OpType.JOIN:
+        if meta.device == "CPU" and meta.op != _JOIN:
             return
         mark = cuda_support.mark_submission(request.inputs)
         request.mark = mark
         if mark is not None:
             self.user_device = mark.device
-        elif meta.op == OpType.JOIN and self.user_device is None:
+        elif meta.op == _JOIN and self.user_device is None:
             self.user_device = cuda_support.thread_cuda_device()

@@ -111,6 +111,8 @@ logger = logging.getLogger("baguahvd.torch")
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
+_ALLREDUCE = OpType.ALLREDUCE  # a member looked up on its class costs as much as a dict lookup
+
 _REDUCIBLE = frozenset(
     {torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64}
 )
@@ -417,10 +419,10 @@ def _allreduce_submit(
     reduce_op = _resolve_op(average, op)
     engine = runtime.require_engine()
     ident = _process_set_id(process_set, "Allreduce")
-    if reduce_op == ReduceOp.ADASUM:
+    if reduce_op == Adasum:
         _check_adasum(engine, ident, tensors)
     return engine.submit(
-        OpType.ALLREDUCE,
+        _ALLREDUCE,
         label,
         ident,
         tensors,
