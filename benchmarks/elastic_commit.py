@@ -11,15 +11,17 @@ phase's last write counts in its last step, so a phase pays for all its writes):
 * ``none``: no commit;
 * ``memory``: ``commit()`` of a state built without an elastic folder: the in-memory copy
   and the host-change check, which is all that Horovod's ``commit()`` does;
-* ``two-half``: ``commit()`` with the folder: the in-memory copy, then the write (torch.save,
-  SHA-256, fsync, read back and checked) on a background thread;
+* ``two-half``: ``commit()`` with the folder: the in-memory copy, then the write (torch.save
+  hashed with SHA-256 as it is written, fsync, the manifest renamed) on a background
+  thread; a commit made during a write waits in memory, superseded by a newer one (rank 0
+  also records, after each commit, how many commits the newest durable one is behind);
 * ``every-4th``: the same with ``BAGUAHVD_ELASTIC_PERSIST_EVERY=4`` (a state of its own,
   writing to a folder of its own): three commits in four stay in memory;
 * ``synchronous``: ``commit()`` then ``state.wait_for_commit()``: every step waits for
   its write, as every commit did before writes moved to the background.
 
-Horovod itself is not measured: it does not install with this torch (2.13); the ``memory``
-phase stands for its commit. Run it from the repository root::
+The ``memory`` phase is what Horovod's ``commit()`` does; ``elastic_commit_horovod.py`` runs
+Horovod's own commit beside these phases in one job. Run it from the repository root::
 
     python benchmarks/elastic_commit.py [--steps 8] [--rounds 1] [--idle-ms 600]
         [--results DIR]
@@ -31,7 +33,6 @@ their jobs with; ``--results`` writes the raw step times there (``raw.json``).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import pathlib
@@ -104,6 +105,7 @@ def idle():
 @hvd.elastic.run
 def train(state):
     times = {}
+    lags = {}
     for _ in range(2):
         compute()
     for kind, step in (("compute", compute), ("idle", idle)):
@@ -120,19 +122,22 @@ def train(state):
                     if phase == "synchronous":
                         state.wait_for_commit()
                     phase_times.append(time.perf_counter() - start)
+                    if phase == "two-half" and state._writer is not None:
+                        lags.setdefault(kind, []).append(
+                            state._commits - state._writer.durable)
                 # The phase pays for its last write too: the wait counts in its last step.
                 start = time.perf_counter()
                 state.wait_for_commit()
                 every_4th_state.wait_for_commit()
                 phase_times[-1] += time.perf_counter() - start
-    return times
+    return times, lags
 
 
-times = train(state)
+times, lags = train(state)
 payload = sum(t.numel() * t.element_size() for t in model.state_dict().values())
 if hvd.rank() == 0:
     with open(os.environ["RESULTS"], "w") as out:
-        json.dump({"step_s": times, "payload_bytes": payload,
+        json.dump({"step_s": times, "lag_commits": lags, "payload_bytes": payload,
                    "parameters": sum(p.numel() for p in model.parameters())}, out)
 """
 
@@ -161,6 +166,7 @@ def main() -> None:
     parser.add_argument("--idle-ms", type=float, default=600.0, help="length of an idle step")
     parser.add_argument("--results", type=pathlib.Path, help="folder for raw.json")
     args = parser.parse_args()
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="elastic-commit-") as work:
         measured = measure(pathlib.Path(work), args.steps, args.rounds, args.idle_ms)
     step_s = measured["step_s"]
@@ -170,6 +176,7 @@ def main() -> None:
         f"{measured['parameters'] / 1e6:.1f}M parameters, {measured['payload_bytes'] / 1e6:.0f} "
         f"MB committed, 2 ranks on one host, {args.steps} steps x {args.rounds} rounds a phase"
     )
+    print(f"load average {load_before} -> {os.getloadavg()}")
     for kind in KINDS:
         print(f"\n{kind} steps{'' if kind == 'compute' else f' ({args.idle_ms:g} ms sleep)'}")
         print(f"{'phase':<12} {'mean ms':>8} {'median ms':>10} {'x no commit':>12}")
@@ -179,10 +186,11 @@ def main() -> None:
             print(f"{phase:<12} {mean_ms[key]:>8.0f} {median_ms[key]:>10.0f} {ratio:>12.2f}")
         gain = mean_ms[f"{kind}/synchronous"] / mean_ms[f"{kind}/two-half"]
         print(f"synchronous / two-half: {gain:.2f}x")
-    print(
-        f"\nHorovod: not measured (it does not install with torch {_torch_version()}); "
-        "'memory' is what its commit does"
-    )
+        lags = measured["lag_commits"].get(kind, [])
+        if lags:
+            print(f"two-half: the newest durable commit was {min(lags)}-{max(lags)} commits "
+                  f"behind the newest (median {statistics.median(lags):g})")
+    print("\n'memory' is what Horovod's commit does (elastic_commit_horovod.py runs it)")
     if args.results is not None:
         args.results.mkdir(parents=True, exist_ok=True)
         record = {
@@ -194,17 +202,11 @@ def main() -> None:
             "idle_ms": args.idle_ms,
             "host": platform.node(),
             "cpus": _cpus(),
+            "load_average_before": load_before,
             "load_average_after": os.getloadavg(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
         (args.results / "raw.json").write_text(json.dumps(record, indent=1) + "\n")
-
-
-def _torch_version() -> str:
-    try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _cpus() -> int:

@@ -8,7 +8,8 @@ thread a rank. Systems run one at a time (init, phases, shutdown), order alterna
 round. Phases per system, each --steps steps, rank 0 times every step:
 
   baguahvd: none | memory (TorchState without elastic folder) | two-half (with a folder:
-            in-memory copy + background write) | synchronous (commit + wait_for_commit)
+            in-memory copy + background write; after each commit, how many commits the
+            newest durable one is behind) | synchronous (commit + wait_for_commit)
   horovod:  none | memory (hvd.elastic.TorchState.commit(): deepcopy of state_dicts +
             check_host_updates broadcast; no elastic driver needed outside hvd.elastic.run)
 
@@ -74,10 +75,12 @@ def run_system(system, args, folder):
     for _ in range(2):
         compute()
     times = {}
+    lags = {}
     for kind, step in (("compute", compute), ("idle", idle)):
         for phase in ("none", *states):
             MPI.COMM_WORLD.Barrier()
             out = times.setdefault(f"{kind}/{phase}", [])
+            lag = lags.setdefault(kind, []) if phase == "two-half" else None
             for _ in range(args.steps):
                 start = time.perf_counter()
                 step()
@@ -86,6 +89,9 @@ def run_system(system, args, folder):
                 if phase == "synchronous":
                     states[phase].wait_for_commit()
                 out.append(time.perf_counter() - start)
+                if lag is not None and persisting._writer is not None:
+                    # How many commits the newest durable one is behind the newest made.
+                    lag.append(persisting._commits - persisting._writer.durable)
             if persisting is not None:
                 start = time.perf_counter()
                 persisting.wait_for_commit()
@@ -103,7 +109,7 @@ def run_system(system, args, folder):
     del states, persisting, memory
     api.shutdown()
     gc.collect()
-    return times
+    return times, lags
 
 
 def main():
@@ -120,13 +126,17 @@ def main():
     folder = comm.bcast(folder, root=0)
     systems = ["baguahvd", "horovod"]
     merged = {}
+    lags = {}
     per_round = []
     for index in range(args.rounds):
         for system in systems if index % 2 == 0 else systems[::-1]:
-            times = run_system(system, args, folder)
-            per_round.append({"round": index, "system": system, "times": times})
+            times, system_lags = run_system(system, args, folder)
+            per_round.append({"round": index, "system": system, "times": times,
+                              "lags": system_lags})
             for key, values in times.items():
                 merged.setdefault(f"{system}:{key}", []).extend(values)
+            for kind, values in system_lags.items():
+                lags.setdefault(kind, []).extend(values)
     load_after = os.getloadavg()
     if comm.Get_rank() != 0:
         return
@@ -148,6 +158,10 @@ def main():
                       f"{med[key] - base_med:>16.1f}{mean[key] - base_mean:>14.1f}")
         h_med = med[f"horovod:{kind}/memory"] - med[f"horovod:{kind}/none"]
         h_mean = mean[f"horovod:{kind}/memory"] - mean[f"horovod:{kind}/none"]
+        if lags.get(kind):
+            print(f"baguahvd two-half: the newest durable commit was {min(lags[kind])}-"
+                  f"{max(lags[kind])} commits behind the newest (median "
+                  f"{statistics.median(lags[kind]):g}), measured after each commit")
         for phase in ("memory", "two-half"):
             b_med = med[f"baguahvd:{kind}/{phase}"] - med[f"baguahvd:{kind}/none"]
             b_mean = mean[f"baguahvd:{kind}/{phase}"] - mean[f"baguahvd:{kind}/none"]
@@ -161,7 +175,8 @@ def main():
         with open(args.json, "w") as out:
             json.dump({"load_before": load_before, "load_after": load_after,
                        "steps": args.steps, "rounds": args.rounds, "idle_ms": args.idle_ms,
-                       "median_ms": med, "mean_ms": mean, "per_round": per_round}, out,
+                       "median_ms": med, "mean_ms": mean, "lag_commits": lags,
+                       "per_round": per_round}, out,
                       indent=1)
 
 

@@ -184,7 +184,8 @@ class Config:
     a whole number of at least 1; default 1, every commit). The other commits stay in memory
     only; the last commit of a training function that returns, or that stops because the
     hosts changed, is persisted whatever its number. A failure resumes from the newest
-    persisted commit, so up to k commits' worth of steps are redone."""
+    durable commit, so up to k commits' worth of steps are redone, and more when commits
+    come faster than the background writes (one is written at a time, the newest next)."""
     mpi_threads_disable: bool = False
     """Ask MPI for a serialized rather than a multi-threaded library
     (HOROVOD_MPI_THREADS_DISABLE)."""

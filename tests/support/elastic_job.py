@@ -130,6 +130,8 @@ def train(state):
                     deadline = time.monotonic() + 60
                     while not os.path.exists(notice) and time.monotonic() < deadline:
                         time.sleep(0.05)
+                if first_try() and state.steps == KILL_IN_WRITE_STEP:
+                    state.wait_for_commit()  # the commit before the killed write is durable
                 state.commit()
                 writer = state._writer
                 if first_try() and state.steps == KILL_IN_WRITE_STEP and writer and writer.busy:

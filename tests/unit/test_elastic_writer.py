@@ -1,5 +1,6 @@
-"""The two halves of a persisted commit: the host copy taken by ``submit()``, and the write on
-a background thread (one at a time, failures raised by the next call)."""
+"""The two halves of a persisted commit: the commit kept by ``submit()``, and the write on a
+background thread (one at a time, the newest commit next, failures raised by the next
+call)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from baguahvd.torch.elastic.store import CheckpointStore
-from baguahvd.torch.elastic.writer import CommitWriteError, CommitWriter, HostStaging
+from baguahvd.torch.elastic.writer import CommitWriteError, CommitWriter, PendingCommit
 
 WAIT_S = 30.0
 
@@ -29,10 +30,14 @@ class _GatedStore(CheckpointStore):
         self.started = threading.Semaphore(0)
         self.in_flight = 0
         self.most_in_flight = 0
+        self.written: list[int] = []
+        self.priorities: list[int | None] = []
         self._lock = threading.Lock()
 
     def write(self, number: int, payload: Any) -> str:
         with self._lock:
+            self.written.append(number)
+            self.priorities.append(_priority())
             self.in_flight += 1
             self.most_in_flight = max(self.most_in_flight, self.in_flight)
         self.started.release()
@@ -57,23 +62,72 @@ def test_submit_returns_while_the_write_runs(tmp_path: pathlib.Path) -> None:
     assert number == 1 and torch.equal(payload["w"], torch.ones(3))
 
 
-def test_at_most_one_write_is_in_flight(tmp_path: pathlib.Path) -> None:
+def _priority() -> int | None:
+    if not hasattr(os, "getpriority") or not hasattr(threading, "get_native_id"):
+        return None
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def _commit_files(folder: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name != "job.json")
+
+
+def test_commits_made_during_a_write_wait_in_memory_and_only_the_newest_is_written(
+    tmp_path: pathlib.Path,
+) -> None:
     store = _GatedStore(str(tmp_path))
     writer = CommitWriter(store)
     writer.submit(1, {"w": torch.zeros(2)})
     assert store.started.acquire(timeout=WAIT_S)
-    second = threading.Thread(target=writer.submit, args=(2, {"w": torch.ones(2)}))
-    second.start()
-    second.join(0.2)
-    assert second.is_alive()  # the next commit waits for the unfinished write
-    store.go.set()
-    second.join(WAIT_S)
-    assert not second.is_alive()
-    for number in range(3, 8):
+    for number in range(2, 8):  # none of these waits for the write in flight
         writer.submit(number, {"w": torch.full((2,), float(number))})
+    assert writer.durable == -1 and store.written == [1]
+    assert _commit_files(tmp_path) == []  # nothing of a write in flight is listed
+    store.go.set()
     writer.wait()
-    assert store.most_in_flight == 1
-    assert store.load_newest()[0] == 7
+    # 2 to 6 were superseded before the writer took them: never written, not even in part.
+    assert store.written == [1, 7] and store.most_in_flight == 1
+    assert writer.durable == 7 and not writer.busy
+    assert _commit_files(tmp_path) == [
+        f"commit-{n}.node-a.{k}" for n in (1, 7) for k in ("json", "pt")
+    ]
+    number, payload = store.load_newest()
+    assert number == 7 and torch.equal(payload["w"], torch.full((2,), 7.0))
+
+
+def test_the_write_thread_runs_at_a_low_priority(tmp_path: pathlib.Path) -> None:
+    before = _priority()
+    if before is None:
+        pytest.skip("threads have no scheduling priority of their own here")
+    store = _GatedStore(str(tmp_path))
+    store.go.set()
+    writer = CommitWriter(store)
+    writer.submit(1, {"w": torch.zeros(2)})
+    writer.wait()
+    assert store.priorities == [max(10, before)]  # a nicer process keeps its own
+    assert _priority() == before  # the caller's is left alone
+
+
+def test_a_commit_kept_in_memory_is_written_by_flush_or_in_place_of_an_older_one(
+    tmp_path: pathlib.Path,
+) -> None:
+    store = _GatedStore(str(tmp_path))
+    store.go.set()
+    writer = CommitWriter(store)
+    writer.submit(1, {"w": torch.zeros(2)}, write=False)
+    writer.submit(2, {"w": torch.ones(2)}, write=False)
+    writer.wait()  # waits for due writes only
+    assert not writer.busy and store.written == []
+    writer.flush()
+    assert store.written == [2] and writer.durable == 2
+    store.go.clear()
+    writer.submit(3, {"w": torch.zeros(2)})
+    assert store.started.acquire(timeout=WAIT_S) and store.started.acquire(timeout=WAIT_S)
+    writer.submit(4, {"w": torch.zeros(2)})  # due, behind the write of 3
+    writer.submit(5, {"w": torch.full((2,), 5.0)}, write=False)  # supersedes 4, in its place
+    store.go.set()
+    writer.wait()
+    assert store.written == [2, 3, 5] and store.load_newest()[0] == 5
 
 
 def _full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,34 +172,40 @@ def test_a_failed_write_is_logged_at_once_and_raised_by_the_next_call(
     assert store.load_newest()[0] == 3
 
 
-def test_the_host_copy_rebuilds_containers_and_keeps_cpu_tensors() -> None:
+def test_a_commit_rebuilds_containers_and_keeps_cpu_tensors() -> None:
     weights = torch.arange(4.0)
-    payload = {"handlers": {"model": {"w": weights}}, "objects": {"notes": [1, (2, 3)]}}
-    staged = HostStaging().stage(payload)
-    assert staged.copies == ()
+    payload: dict[str, Any] = {
+        "handlers": {"model": {"w": weights}},
+        "objects": {"notes": [1, (2, 3)]},
+    }
+    commit = PendingCommit.take(1, payload)
+    assert commit.ready == ()
     # A saved copy is fresh at every save: the write may read it as it is.
-    assert staged.payload["handlers"]["model"]["w"] is weights
+    assert commit.payload["handlers"]["model"]["w"] is weights
     payload["handlers"]["model"]["w"] = torch.zeros(4)
     payload["objects"]["notes"].append(4)
-    assert staged.payload["handlers"]["model"]["w"] is weights
-    assert staged.payload["objects"]["notes"] == [1, (2, 3)]
+    assert commit.payload["handlers"]["model"]["w"] is weights
+    assert commit.payload["objects"]["notes"] == [1, (2, 3)]
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_tensors_are_copied_into_pinned_buffers_reused_between_commits(
+def test_cuda_tensors_are_copied_into_pinned_buffers_reused_between_writes(
     tmp_path: pathlib.Path,
 ) -> None:
     store = CheckpointStore(str(tmp_path), host="node-a")
     writer = CommitWriter(store)
-    saved = {"w": torch.arange(1 << 20, dtype=torch.float32, device="cuda"), "n": 1}
-    writer.submit(1, saved)
-    saved["w"].add_(1.0)  # queued after the copy on the same stream: not in commit 1
+    expected = torch.arange(1 << 20, dtype=torch.float32)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # the commit's tensor is made long after submit()
+        made = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+        writer.submit(1, {"w": made, "n": 1})
     writer.wait()
-    assert torch.equal(store.read(1)["w"], torch.arange(1 << 20, dtype=torch.float32))
+    assert torch.equal(store.read(1)["w"], expected)
     first = writer._staging._buffers[0]
     assert first.is_pinned()
-    writer.submit(2, {"w": saved["w"], "n": 2})
+    writer.submit(2, {"w": made + 1, "n": 2})  # a fresh saved copy, as save() makes
     writer.wait()
     assert writer._staging._buffers[0].data_ptr() == first.data_ptr()
-    assert torch.equal(store.read(2)["w"], torch.arange(1 << 20, dtype=torch.float32) + 1)
+    assert torch.equal(store.read(2)["w"], expected + 1)

@@ -8,15 +8,19 @@ shrink or grow in place, so baguahvd recovers it by restarting the job instead:
    copy to the folder: the first rank of every host writes commit ``n`` as
    ``commit-<n>.<host>.pt`` (tensors and plain values, loaded with ``weights_only=True``)
    and its manifest ``commit-<n>.<host>.json`` (job id, host, number, SHA-256), and keeps
-   its previous commit until the new one is synced (loading verifies the checksum). ``commit()``
-   only takes the host copy (a device-to-host copy into reused pinned buffers on GPU);
-   the write runs on a background thread, one at a time (:mod:`.writer`), and the next
-   commit waits for it only if it has not finished. ``BAGUAHVD_ELASTIC_PERSIST_EVERY=k``
-   persists every k-th commit only. A failed write is logged at once and raised by the
-   next commit (or at the end of the training function) as :class:`CommitWriteError`.
-   Before the training function's wrapper returns, ends a launch for a resize, or lets an
-   error through, the write in flight is finished. A process killed during a write
-   leaves the previous commit whole, and the relaunch resumes from that one.
+   its previous commit until the new one is synced (loading verifies the checksum).
+   ``commit()`` never waits for a write: the write runs on a background thread, one at a
+   time, at low priority (:mod:`.writer`); a commit made while one is in flight waits in
+   memory and is written next, unless a newer commit supersedes it first (it is then
+   never written). So with commits faster than writes, the folder holds the newest commit
+   that the writer could keep up with, at most about two writes behind the newest one
+   made. ``BAGUAHVD_ELASTIC_PERSIST_EVERY=k`` asks for the write of every k-th commit
+   only. A failed write is logged at once and raised by the next commit (or at the end of
+   the training function) as :class:`CommitWriteError`. Before the training function's
+   wrapper returns or ends a launch for a resize, the newest commit is made durable;
+   before it lets an error through, the writes in flight and due are finished. A process
+   killed during a write leaves the previous commit whole, and the relaunch resumes from
+   the newest durable commit.
 2. When a rank dies or raises, the job ends (see the reliability section of the README)
    and ``baguahvdrun --elastic`` launches it again, possibly on other hosts.
 3. In the new job, :func:`run_fn`'s wrapper finds the newest commit that verifies on any
@@ -119,9 +123,6 @@ class State:
         # torchrun's agent restarts workers from the top of the script: without a folder,
         # they start from the beginning. Said once, at the first commit.
         self._warn_in_memory_only = self._store is None and launch_from_env().agent_run is not None
-        # The newest commit that BAGUAHVD_ELASTIC_PERSIST_EVERY kept in memory only, as
-        # (number, payload): written when training ends or the job resizes.
-        self._unpersisted: tuple[int, Any] | None = None
 
     # -- Horovod's API ---------------------------------------------------------------------
 
@@ -149,11 +150,12 @@ class State:
         """Saves the state in memory and in the elastic folder, then checks for host
         changes (raising :class:`HostsUpdatedInterrupt` on every rank if there was one).
 
-        Returns once the copy is taken; the elastic folder's write runs in the background
-        (see :meth:`wait_for_commit`).
+        Returns once the copy is taken, without waiting for any write: the elastic folder's
+        write runs in the background, and a commit made while one is in flight is written
+        after it unless a newer commit supersedes it (see :meth:`wait_for_commit`).
 
         Raises:
-            CommitWriteError: the previous commit's background write failed.
+            CommitWriteError: an earlier commit's background write failed.
         """
         self.save()
         self._average_replicas()
@@ -171,19 +173,17 @@ class State:
         self.check_host_updates()
 
     def wait_for_commit(self) -> None:
-        """Makes the newest commit durable in the elastic folder: writes it if
-        ``BAGUAHVD_ELASTIC_PERSIST_EVERY`` left it in memory, and waits until its write
-        has finished (on the first rank of each host; a no-op elsewhere and without a
-        folder). ``commit()`` followed by this call is a synchronous commit.
+        """Makes the newest commit durable in the elastic folder: writes it if it waits
+        behind a write in flight or ``BAGUAHVD_ELASTIC_PERSIST_EVERY`` left it in memory,
+        and waits until its write has finished (on the first rank of each host; a no-op
+        elsewhere and without a folder). ``commit()`` followed by this call is a
+        synchronous commit.
 
         Raises:
             CommitWriteError: the write failed; the folder keeps the commits before it.
         """
-        if self._writer is None:
-            return
-        if self._unpersisted is not None:
-            self._write(*self._unpersisted)
-        self._writer.wait()
+        if self._writer is not None:
+            self._writer.flush()
 
     def check_host_updates(self) -> None:
         """Raises :class:`HostsUpdatedInterrupt` on every rank when rank 0 has seen the host
@@ -246,19 +246,12 @@ class State:
         payload = self._payload()
         # A value that cannot be persisted is the caller's error: raise it here and now.
         check_plain(payload, "commit")
-        if self._commits % self._persist_every == 0:
-            self._write(self._commits, payload)
-        else:
-            self._unpersisted = (self._commits, payload)
-
-    def _write(self, number: int, payload: Any) -> None:
         assert self._writer is not None
-        self._unpersisted = None
-        self._writer.submit(number, payload)
+        self._writer.submit(self._commits, payload, write=self._commits % self._persist_every == 0)
 
     def _settle_after_error(self) -> None:
-        """Lets the write in flight finish before an error ends the training function, so
-        that a restart finds it; its own failure was logged when it happened."""
+        """Lets the writes in flight and due finish before an error ends the training
+        function, so that a restart finds them; a failure was logged when it happened."""
         if self._writer is not None:
             try:
                 self._writer.wait()
@@ -432,8 +425,8 @@ def run_fn(func: Callable[..., _Result], reset: Callable[[], None]) -> Callable[
     commit ends the job with ``RESIZE_EXIT_CODE`` under ``baguahvdrun --elastic`` (which
     relaunches it on the new hosts) once that commit is durable; outside it, ``reset()``
     re-initialises in place and training resumes after the reset callbacks. A failed
-    collective (``HorovodInternalError``) ends this rank, after the commit write in
-    flight: the job cannot continue on a broken MPI world, and ``baguahvdrun --elastic``
+    collective (``HorovodInternalError``) ends this rank, after the commit writes in
+    flight and due: the job cannot continue on a broken MPI world, and ``baguahvdrun --elastic``
     restarts it from the last durable commit. Under ``baguahvdrun --gloo --elastic`` both
     are handled in place, as Horovod does: a failed collective restores the last
     in-memory commit, a host change keeps the state as committed; ``reset()`` joins the

@@ -160,8 +160,10 @@ class TorchState(ObjectState):
 
     ``commit()`` saves in memory and, under ``baguahvdrun --elastic``, persists to the
     elastic folder, so that a restarted job resumes from it: the copy is taken when
-    ``commit()`` is called (into pinned host buffers for CUDA tensors) and written on a
-    background thread while training goes on (see :mod:`baguahvd.torch.elastic.writer`).
+    ``commit()`` is called (on the tensors' device) and written on a background thread
+    while training goes on, CUDA tensors through pinned host buffers; a commit made while a
+    write is in flight is written next, unless a newer one supersedes it (see
+    :mod:`baguahvd.torch.elastic.writer`).
 
     Args:
         model: the model (or None).

@@ -23,11 +23,18 @@ import socket
 import tempfile
 import time
 import uuid
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
 from baguahvd.common import elastic_protocol as protocol
+from baguahvd.torch.elastic.files import (
+    HashingSink,
+    fsync_folder,
+    read_bytes,
+    remove,
+    write_all,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +124,7 @@ class CheckpointStore:
         except FileExistsError:
             pass
         else:
-            _write_all(descriptor, _job_record(job_id))
+            write_all(descriptor, _job_record(job_id))
             return job_id
         # Another rank created it and may still be writing it: wait for a whole record.
         deadline = time.monotonic() + _JOB_FILE_WAIT_S
@@ -143,9 +150,9 @@ class CheckpointStore:
         """Gives the folder a new job id and removes the old job's commits and records."""
         old = self.job_id
         for _, _, manifest, payload in self._listing(old):
-            _remove(manifest)
-            _remove(payload)
-        _remove(self._path(protocol.FINISHED_FILE))
+            remove(manifest)
+            remove(payload)
+        remove(self._path(protocol.FINISHED_FILE))
         job_id = uuid.uuid4().hex
         self._replace(protocol.JOB_FILE, _job_record(job_id))
         self._job_id = job_id
@@ -254,39 +261,35 @@ class CheckpointStore:
                 commits are left as they were.
         """
         check_plain(payload, "commit")
-        buffer = io.BytesIO()
-        torch.save(payload, buffer)
-        data = buffer.getbuffer()  # a view: no second copy of a large payload
-        digest = hashlib.sha256(data).hexdigest()
         base = f"commit-{number}.{self.host}"
         payload_path, manifest_path = self._path(f"{base}.pt"), self._path(f"{base}.json")
+        payload_temporary, size, digest = self._temporary_payload(payload)
         manifest = {
             "format": protocol.COMMIT_FORMAT,
             "job_id": self.job_id,
             "host": self.host,
             "commit": number,
             "payload": f"{base}.pt",
-            "bytes": len(data),
+            "bytes": size,
             "sha256": digest,
         }
-        payload_temporary = self._temporary(data)
         try:
             manifest_temporary = self._temporary(json.dumps(manifest).encode())
         except BaseException:
-            _remove(payload_temporary)
+            remove(payload_temporary)
             raise
         placed = False
         try:
-            _remove(manifest_path)  # an older manifest must not vouch for the new payload
+            remove(manifest_path)  # an older manifest must not vouch for the new payload
             os.replace(payload_temporary, payload_path)
             placed = True
             os.replace(manifest_temporary, manifest_path)
-            _fsync_folder(self.folder)
+            fsync_folder(self.folder)
         except BaseException:
-            _remove(payload_temporary)
-            _remove(manifest_temporary)
+            remove(payload_temporary)
+            remove(manifest_temporary)
             if placed and not os.path.exists(manifest_path):
-                _remove(payload_path)
+                remove(payload_path)
             raise
         # Keep the previous commit too, in case this one is damaged later; numbers above
         # this one belong to a timeline abandoned when resuming fell back past them.
@@ -294,8 +297,8 @@ class CheckpointStore:
         previous = max((entry[0] for entry in mine if entry[0] < number), default=None)
         for older, _, older_manifest, older_payload in mine:
             if older not in (number, previous):
-                _remove(older_manifest)
-                _remove(older_payload)
+                remove(older_manifest)
+                remove(older_payload)
         self._remove_leftovers({os.path.basename(entry[3]) for entry in mine})
         return payload_path
 
@@ -312,7 +315,7 @@ class CheckpointStore:
                 and _COMMIT_FILE.match(name) is not None
             )
             if orphan or name.startswith(self._temporary_prefix):
-                _remove(self._path(name))
+                remove(self._path(name))
 
     def hosts_notice(self) -> tuple[int, HostUpdateResult]:
         """The newest host-change notice of the launcher: (version, what changed)."""
@@ -392,7 +395,7 @@ class CheckpointStore:
                 raise CommitError(
                     f"commit manifest {manifest_path} does not match its name and job: {wrong}"
                 )
-            data = _read_bytes(payload_path)
+            data = read_bytes(payload_path)
         except OSError as error:
             raise CommitError(f"commit {payload_path} cannot be read: {error}") from None
         except ValueError as error:
@@ -411,20 +414,36 @@ class CheckpointStore:
     def _temporary(self, data: bytes | memoryview) -> str:
         descriptor, temporary = tempfile.mkstemp(prefix=self._temporary_prefix, dir=self.folder)
         try:
-            _write_all(descriptor, data)
+            write_all(descriptor, data)
         except BaseException:
-            _remove(temporary)
+            remove(temporary)
             raise
         return temporary
+
+    def _temporary_payload(self, payload: Any) -> tuple[str, int, str]:
+        """``torch.save`` of ``payload`` into a synced temporary file, hashed as it is
+        written (one pass over the bytes, no copy of them in memory): (path, size, SHA-256)."""
+        descriptor, temporary = tempfile.mkstemp(prefix=self._temporary_prefix, dir=self.folder)
+        sink = HashingSink(descriptor)
+        try:
+            try:
+                torch.save(payload, cast(IO[bytes], sink))  # it needs write() only
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        except BaseException:
+            remove(temporary)
+            raise
+        return temporary, sink.size, sink.sha256.hexdigest()
 
     def _replace(self, name: str, data: bytes) -> None:
         temporary = self._temporary(data)
         try:
             os.replace(temporary, self._path(name))
         except BaseException:
-            _remove(temporary)
+            remove(temporary)
             raise
-        _fsync_folder(self.folder)
+        fsync_folder(self.folder)
 
 
 _FOLDER_FILES = frozenset(
@@ -445,22 +464,6 @@ def _job_record(job_id: str) -> bytes:
     return json.dumps({"job_id": job_id, "format": protocol.COMMIT_FORMAT}).encode()
 
 
-def _write_all(descriptor: int, data: bytes | memoryview) -> None:
-    """Writes ``data`` to the descriptor, fsyncs and closes it."""
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(descriptor, view) :]
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _read_bytes(path: str) -> bytes:
-    with open(path, "rb") as stream:
-        return stream.read()
-
-
 def _verify(path: str, data: bytes, size: Any, digest: Any) -> None:
     if len(data) != size:
         raise CommitError(f"commit {path} is damaged: {len(data)} bytes, its manifest says {size}")
@@ -468,28 +471,8 @@ def _verify(path: str, data: bytes, size: Any, digest: Any) -> None:
         raise CommitError(f"commit {path} is damaged: its SHA-256 differs from its manifest's")
 
 
-def _fsync_folder(folder: str) -> None:
-    try:
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass  # some filesystems cannot sync a folder; the files themselves are synced
-    finally:
-        os.close(descriptor)
-
-
 def _safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", text) or "host"
-
-
-def _remove(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 def check_plain(value: Any, where: str) -> None:

@@ -1,33 +1,49 @@
-"""A persisted commit in two halves: the host copy, taken when ``commit()`` is called, and
-the write, which runs on a background thread.
+"""A persisted commit in two halves: the commit, taken when ``commit()`` is called, and the
+write, which runs on a background thread.
 
 The protocol, for the one :class:`CommitWriter` of a state on the first rank of a host:
 
-1. :meth:`CommitWriter.submit` runs in the training thread. It waits for the previous
-   write only if that one has not finished (so at most one write is in flight, and the
-   pinned buffers are free again), raises that write's failure if it failed, takes the
-   host copy of the payload and starts the write. The host copy rebuilds the payload's
-   containers, keeps its CPU tensors as they are (a state's saved copy is a fresh deep
-   copy at every save and is never changed in place afterwards) and copies its CUDA
-   tensors into pinned host buffers that are reused from one commit to the next, queued on
-   each tensor's current stream and marked by an event.
-2. The write thread waits for those events, then runs :meth:`CheckpointStore.write`:
-   ``torch.save``, SHA-256, fsync, and only then the manifest renamed into place, so a
+1. :meth:`CommitWriter.submit` runs in the training thread and never waits for a write. It
+   raises the failure of an earlier write, if one failed and was not reported yet. It
+   keeps the commit as the newest one: the payload's containers rebuilt around its tensors
+   as they are (a state's saved copy is a fresh deep copy at every save and is never
+   changed in place afterwards) and, for CUDA tensors, an event on each device's current
+   stream, after the copy that made them. A commit that is to be written, and that finds
+   no write in flight, starts one; one that finds a write in flight waits in memory, and a
+   newer commit replaces it there (it is superseded: never written, not even in part).
+   ``write=False`` keeps a commit in memory without asking for its write (for
+   ``BAGUAHVD_ELASTIC_PERSIST_EVERY``); such a commit still supersedes one that waits for
+   its write, and is written in its place.
+2. The write thread, at a low scheduling priority where the system has one (so that the
+   training threads keep the cores), takes the newest commit that is to be written.
+   It copies the CUDA tensors into pinned host buffers on a stream of its own, after the
+   commit's events (the buffers are reused from one write to the next: only this thread
+   touches them), then runs :meth:`CheckpointStore.write`: ``torch.save`` hashed with
+   SHA-256 as it is written, fsync, and only then the manifest renamed into place, so a
    commit counts once it is durable and not before (loading checks it against the
-   manifest).
+   manifest). When it has finished, it takes the newest commit that came in meanwhile, if
+   one is to be written, and ends when there is none. So one write runs at a time, and
+   whatever the commits' rate, the newest durable commit is behind the newest one made by
+   at most the one being written and the one waiting: about two write times (longer when
+   every core is busy, as the thread's low priority lets training go first).
 3. A failed write is logged at once, at error level, and raised as
-   :class:`CommitWriteError` by the next :meth:`~CommitWriter.submit` or
-   :meth:`~CommitWriter.wait`. The folder keeps the commits before it.
-4. The thread is not a daemon: a process that ends normally finishes the write first. A
-   process killed during a write leaves the previous commit whole (the store renames the
-   manifest last); the next write on that host removes the killed writer's leftovers.
+   :class:`CommitWriteError` by the next :meth:`~CommitWriter.submit`,
+   :meth:`~CommitWriter.wait` or :meth:`~CommitWriter.flush`; a commit that was waiting
+   behind it is dropped. The folder keeps the commits before it.
+4. :meth:`~CommitWriter.flush` asks for the write of the newest commit, if it was kept
+   in memory only, and waits until it is durable. The thread is not a daemon: a process
+   that ends normally writes what it was asked to write first. A process killed during a
+   write leaves the previous commit whole (the store renames the manifest last); the next
+   write on that host removes the killed writer's leftovers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,7 +52,13 @@ from baguahvd.torch.elastic.store import CheckpointStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CommitWriteError", "CommitWriter", "HostStaging", "StagedCommit"]
+__all__ = ["CommitWriteError", "CommitWriter", "HostStaging", "PendingCommit"]
+
+_WRITER_NICE = 10
+"""The ``nice`` value of the write thread, where threads have their own. On a busy core it
+gets about a tenth of the time of a training thread (nice 0): training keeps the cores,
+and a write still ends within seconds. At 19 (a sixtieth) a write of 100 MB on two
+CPU-bound cores took 10 s and more."""
 
 
 class CommitWriteError(RuntimeError):
@@ -46,67 +68,92 @@ class CommitWriteError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class StagedCommit:
-    """A payload in host memory, ready to be written once its copies have finished."""
+class PendingCommit:
+    """A commit waiting for its write: its number, its payload (containers of its own,
+    tensors shared with the state's saved copy) and, per CUDA device, an event after the
+    work that made its tensors there."""
 
+    number: int
     payload: Any
-    copies: tuple[torch.cuda.Event, ...] = ()
+    ready: tuple[tuple[torch.device, torch.cuda.Event], ...] = ()
 
-    def wait_copied(self) -> None:
-        """Blocks until the device-to-host copies queued for the payload have finished."""
-        for event in self.copies:
-            event.synchronize()
-
-
-class HostStaging:
-    """The host copy of a commit: pinned buffers for its CUDA tensors, reused between
-    commits while the tensors keep their shapes and dtypes."""
-
-    def __init__(self) -> None:
-        self._buffers: list[torch.Tensor] = []
-
-    def stage(self, payload: Any) -> StagedCommit:
-        """Copies ``payload``'s containers, and its CUDA tensors into the pinned buffers.
-
-        The buffers of the previous commit are overwritten: its write must have finished.
-        """
-        used: list[torch.Tensor] = []
+    @classmethod
+    def take(cls, number: int, payload: Any) -> PendingCommit:
+        """The commit of ``payload``, taken in the thread (and on the streams) that made it."""
         devices: dict[torch.device, None] = {}
-        copied = self._copy(payload, used, devices)
-        self._buffers = used
-        events = []
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.device.type == "cuda":
+                devices[tensor.device] = None
+            return tensor
+
+        kept = _map_tensors(payload, keep)
+        ready = []
         for device in devices:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
-            events.append(event)
-        return StagedCommit(copied, tuple(events))
+            ready.append((device, event))
+        return cls(number, kept, tuple(ready))
 
-    def _copy(self, value: Any, used: list[torch.Tensor], devices: dict[torch.device, None]) -> Any:
-        if isinstance(value, torch.Tensor):
-            if value.device.type == "cpu":
-                return value
-            if value.device.type != "cuda":
-                return value.detach().to("cpu")
+
+class HostStaging:
+    """The host copy of a commit's CUDA tensors, taken by the write thread: pinned buffers
+    reused between writes while the tensors keep their shapes and dtypes, filled on a copy
+    stream of its own per device, so that training's streams never wait for them."""
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def stage(self, commit: PendingCommit) -> Any:
+        """``commit``'s payload with its CUDA tensors copied into the pinned buffers (the
+        previous write's contents are overwritten); returns once the copies are done. Other
+        tensors are kept as they are, except those of other devices, copied to the CPU."""
+        for device, event in commit.ready:
+            self._stream(device).wait_event(event)
+        used: list[torch.Tensor] = []
+
+        def copy(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.device.type == "cpu":
+                return tensor
+            if tensor.device.type != "cuda":
+                return tensor.detach().to("cpu")
             index = len(used)
             buffer = self._buffers[index] if index < len(self._buffers) else None
-            if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
-                buffer = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-            buffer.copy_(value.detach(), non_blocking=True)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            with torch.cuda.stream(self._stream(tensor.device)):
+                buffer.copy_(tensor.detach(), non_blocking=True)
             used.append(buffer)
-            devices[value.device] = None
             return buffer
-        if isinstance(value, dict):
-            return type(value)(
-                (key, self._copy(item, used, devices)) for key, item in value.items()
-            )
-        if isinstance(value, (list, tuple, set)):
-            return type(value)(self._copy(item, used, devices) for item in value)
-        return value
+
+        staged = _map_tensors(commit.payload, copy)
+        self._buffers = used
+        for stream in self._streams.values():
+            stream.synchronize()
+        return staged
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
+
+
+def _map_tensors(value: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with its containers rebuilt and ``function`` applied to its tensors."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, dict):
+        return type(value)((key, _map_tensors(item, function)) for key, item in value.items())
+    if isinstance(value, (list, tuple, set)):
+        return type(value)(_map_tensors(item, function) for item in value)
+    return value
 
 
 class CommitWriter:
-    """Writes the commits of one host to a :class:`CheckpointStore`, one at a time, on a
-    background thread (see the module's protocol).
+    """Writes the commits of one host to a :class:`CheckpointStore` on a background thread,
+    one at a time, the newest first (see the module's protocol).
 
     Args:
         store: the elastic folder's store.
@@ -115,64 +162,117 @@ class CommitWriter:
     def __init__(self, store: CheckpointStore) -> None:
         self._store = store
         self._staging = HostStaging()
+        self._changed = threading.Condition()
+        # The newest commit not yet taken by the write thread, and whether it is to be
+        # written (False: kept in memory only, until flush() or a newer commit).
+        self._newest: PendingCommit | None = None
+        self._due = False
         self._thread: threading.Thread | None = None
         self._failure: CommitWriteError | None = None
         self._durable = -1
 
     @property
     def busy(self) -> bool:
-        """Whether a write is in flight."""
-        return self._thread is not None and self._thread.is_alive()
+        """Whether a write is in flight or due."""
+        with self._changed:
+            return self._thread is not None
 
     @property
     def durable(self) -> int:
         """The newest commit this writer has made durable; -1 before the first."""
         return self._durable
 
-    def submit(self, number: int, payload: Any) -> None:
-        """Takes the host copy of commit ``number`` and starts writing it.
+    def submit(self, number: int, payload: Any, *, write: bool = True) -> None:
+        """Keeps commit ``number`` as the newest, superseding (and taking the place of) one
+        that waits for its write, and starts its write unless one is in flight (then it
+        waits in memory) or ``write`` is False and it supersedes none (then it stays in
+        memory until :meth:`flush` or a newer commit is written). Does not wait for any
+        write.
 
         Raises:
-            CommitWriteError: the previous write failed (this commit is not written).
+            CommitWriteError: an earlier write failed (this commit is not kept); raised once.
         """
-        self.wait()
-        staged = self._staging.stage(payload)
-        thread = threading.Thread(
-            target=self._write, args=(number, staged), name=f"baguahvd-commit-{number}"
-        )
-        thread.start()
-        self._thread = thread
+        self._raise_failure()
+        commit = PendingCommit.take(number, payload)
+        with self._changed:
+            self._newest = commit
+            self._due = self._due or write
+            self._start_if_due()
 
     def wait(self) -> None:
-        """Waits for the write in flight, if any.
+        """Waits until every commit asked to be written (not one kept in memory only) is
+        durable.
 
         Raises:
-            CommitWriteError: the last write failed; raised once.
+            CommitWriteError: a write failed; raised once.
         """
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        failure, self._failure = self._failure, None
+        with self._changed:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        self._raise_failure()
+
+    def flush(self) -> None:
+        """Makes the newest commit durable: writes it if it was kept in memory only, and
+        waits for it (:meth:`wait`)."""
+        with self._changed:
+            if self._newest is not None:
+                self._due = True
+                self._start_if_due()
+        self.wait()
+
+    def _start_if_due(self) -> None:
+        if self._thread is None and self._due and self._failure is None:
+            self._thread = threading.Thread(target=self._run, name="baguahvd-commit-writer")
+            self._thread.start()
+
+    def _raise_failure(self) -> None:
+        with self._changed:
+            failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
 
-    def _write(self, number: int, staged: StagedCommit) -> None:
+    def _run(self) -> None:
+        _lower_priority()
+        while True:
+            with self._changed:
+                commit = self._newest if self._due and self._failure is None else None
+                if commit is None:
+                    self._thread = None
+                    return
+                self._newest, self._due = None, False
+            self._write(commit)
+
+    def _write(self, commit: PendingCommit) -> None:
         try:
-            staged.wait_copied()
-            self._store.write(number, staged.payload)
-        except Exception as error:  # noqa: BLE001 - reported by the next submit() or wait()
+            self._store.write(commit.number, self._staging.stage(commit))
+        except Exception as error:  # noqa: BLE001 - reported by the next call
             before = (
                 f"commit {self._durable} is the newest this process made durable"
                 if self._durable >= 0
                 else "this process made no commit durable yet"
             )
             failure = CommitWriteError(
-                f"the background write of commit {number} to {self._store.folder} failed "
-                f"({type(error).__name__}: {error}); the folder keeps the commits before it "
-                f"({before}), and a restart resumes from the newest intact one"
+                f"the background write of commit {commit.number} to {self._store.folder} "
+                f"failed ({type(error).__name__}: {error}); the folder keeps the commits "
+                f"before it ({before}), and a restart resumes from the newest intact one"
             )
             failure.__cause__ = error
             logger.error("%s", failure)
-            self._failure = failure
+            with self._changed:
+                self._failure = failure
+                if self._due:
+                    self._newest, self._due = None, False
         else:
-            self._durable = number
+            self._durable = commit.number
+
+
+def _lower_priority() -> None:
+    """Gives the calling thread the writer's low scheduling priority, where threads have
+    their own (Linux); elsewhere it keeps its priority."""
+    if not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _WRITER_NICE)
+    except OSError as error:
+        logger.debug("the commit writer keeps its priority: %s", error)
