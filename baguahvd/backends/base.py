@@ -9,7 +9,9 @@ re-validating. Counts are in elements of the given tensors.
 on channels of its own (user code or data collectives never match its messages):
 
 - one bitwise AND of a byte vector per cycle (cached requests and flags), a gather of
-  pickled reports to rank 0 and a broadcast of rank 0's decision. The AND is started
+  pickled reports to rank 0, or point-to-point messages that carry them up a tree
+  (:meth:`ControlPlane.send`, :meth:`ControlPlane.recv`), and a broadcast of rank 0's
+  decision. The AND is started
   (:meth:`ControlPlane.start_bitwise_and`) and its caller waits for it with :func:`waits`,
   which hands control back now and then: the caller decides itself whether to stop waiting
   (its job is ending), and the control plane calls nothing of its caller's;
@@ -275,6 +277,17 @@ class ControlPlane(abc.ABC):
         """Returns rank 0's ``payload`` on every rank."""
 
     @abc.abstractmethod
+    def send(self, payload: Any, peer: int) -> None:
+        """Sends the picklable ``payload`` to ``peer``, another rank, which takes it with
+        :meth:`recv`; may wait until it does. Two ranks' messages arrive in the order sent.
+        Raises ValueError for a peer that is this rank or no rank (:func:`check_peer`)."""
+
+    @abc.abstractmethod
+    def recv(self, peer: int) -> Any:
+        """The next payload that ``peer``, another rank, sent this rank with :meth:`send`,
+        waited for. Raises ValueError as :meth:`send` does."""
+
+    @abc.abstractmethod
     def allgather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length everywhere), by rank."""
 
@@ -328,6 +341,17 @@ class ControlPlane(abc.ABC):
         the transport is shut down cleanly first, since the peers are leaving too. The
         default has nothing to shut down."""
         os._exit(status)
+
+
+def check_peer(control: ControlPlane, peer: int) -> None:
+    """Refuses a point-to-point peer that is not another rank of ``control``'s job: gloo
+    fails a message to its own rank, waits for one to a rank past the end until its
+    timeout, and crashes on a negative one."""
+    if not 0 <= peer < control.size or peer == control.rank:
+        raise ValueError(
+            f"rank {control.rank} cannot exchange messages with rank {peer}: the peer must be "
+            f"another rank of the job (0 to {control.size - 1})"
+        )
 
 
 DeviceCommFactory = Callable[[Communicator], Communicator]

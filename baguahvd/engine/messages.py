@@ -286,17 +286,32 @@ def _describe_first_mismatch(
     )
 
 
-_AFTER_RANK = RequestMeta._fields.index("rank") + 1
+_RANK = RequestMeta._fields.index("rank")
+_AFTER_RANK = _RANK + 1
+
+
+def without_rank(meta: RequestMeta) -> tuple[object, ...]:
+    """Everything ``meta`` says but the submitter's rank: requests equal in it differ only
+    in who sent them."""
+    return meta[:_RANK] + meta[_AFTER_RANK:]
+
+
+def passes_alone(meta: RequestMeta) -> bool:
+    """Whether requests that equal ``meta`` in everything but the rank pass every check of
+    :func:`build_response`, whose response is then ``build_response([meta], ...)``, ``meta``
+    being the first member's request. Not for placeholders, nor for the ragged collectives,
+    whose rank-zero tensors are refused even when every member sends one and whose response
+    lists every member's first dimensions or splits."""
+    return not meta.failure and meta.op not in RAGGED_OPS
 
 
 def _alike(metas: Sequence[RequestMeta]) -> bool:
     """Whether the members' requests agree in everything but the rank, and so pass every
     check: the common case, decided with one tuple comparison per member instead of the
-    checks' field-by-field walk (rank 0 matches every request of every rank on a miss).
-    Placeholders and the ragged collectives (whose rank-zero tensors are refused even when
-    every member sends one) take the full checks."""
+    checks' field-by-field walk. Placeholders and the ragged collectives take the full
+    checks (:func:`passes_alone`)."""
     first = metas[0]
-    if first.failure or first.op in RAGGED_OPS:
+    if not passes_alone(first):
         return False
     op, rest = first.op, first[_AFTER_RANK:]
     return all(meta.op is op and meta[_AFTER_RANK:] == rest for meta in metas[1:])

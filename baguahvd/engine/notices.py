@@ -1,8 +1,10 @@
 """What ranks exchange each cycle besides requests: how a job ends, and why.
 
-Every cycle a rank with something to say sends rank 0 a :class:`RankReport` (its new
-requests, how long each has waited, and possibly a :class:`Notice`), and rank 0 answers
-everyone with one :class:`Decision`. A notice is final: the cycle that carries one runs no
+In a cycle where some rank has something to say, every rank sends rank 0 a
+:class:`RankReport` (its new requests, how long each has waited, and possibly a
+:class:`Notice`; merged with the others' on the way, see
+:mod:`baguahvd.engine.negotiation.tree`), and rank 0 answers everyone with one
+:class:`Decision`. A notice is final: the cycle that carries one runs no
 collective, and every rank stops with the error the notice describes. That is how a
 rank's ``shutdown()``, its uncaught exception, its broken engine and rank 0's stall
 inspector reach every other rank, with the first failing rank and its reason in the error.
@@ -72,7 +74,7 @@ def first_notice(notices: Iterable[Notice | None]) -> Notice | None:
 
 
 class RankReport(NamedTuple):
-    """What one rank sends rank 0 in a cycle."""
+    """What one rank tells rank 0 in a cycle."""
 
     metas: list[RequestMeta]
     waited: list[float]

@@ -3,7 +3,9 @@
 Every rank drives a real :class:`~baguahvd.engine.engine.Engine`; only the transport is
 replaced. A collective is a meeting: the k-th call of each member on a channel (the control
 plane, or one process set's communicator) meets the k-th call of the others, and each
-member computes the result from everybody's contribution. Alarms are per-rank mailboxes.
+member computes the result from everybody's contribution. A point-to-point message is a
+meeting of its sender alone, numbered per pair of ranks, which the receiver takes; the
+sender does not wait (a small MPI message does not either). Alarms are per-rank mailboxes.
 
 :meth:`World.close` parks every thread still waiting in a meeting for good, as MPI would
 leave a rank blocked in a collective that a failed peer never joins: the engine threads are
@@ -21,7 +23,13 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from baguahvd.backends.base import Communicator, ControlPlane, DeviceCommFactory, Pending
+from baguahvd.backends.base import (
+    Communicator,
+    ControlPlane,
+    DeviceCommFactory,
+    Pending,
+    check_peer,
+)
 from baguahvd.common.config import Config
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.clock import SYSTEM_CLOCK
@@ -115,6 +123,17 @@ class World:
         # Closed while waiting for a rank that never comes: block for good.
         self._never.wait()
         raise AssertionError("unreachable")
+
+    def receive(self, key: tuple[object, ...]) -> Any:
+        """Waits for the value one rank left at ``key`` (:meth:`arrive`) and takes it; in a
+        closed world, blocks for good unless it is there."""
+        with self._cond:
+            while key not in self._meetings and not self.closed:
+                self._cond.wait(0.002)
+        values = self.collect(key, 1)
+        assert values is not None
+        (value,) = values.values()
+        return value
 
     def pause(self, key: tuple[object, ...], members: int, timeout_s: float) -> None:
         """Waits until meeting ``key`` is complete, the world closes or ``timeout_s`` has
@@ -221,6 +240,9 @@ class MemoryControlPlane(ControlPlane):
         self.rank = rank
         self.size = world.size
         self._negotiation = _Endpoint(world, ("control",), rank, world.size)
+        self._sent: dict[int, int] = {}
+        self._received: dict[int, int] = {}
+        """Messages sent to and received from each peer so far (:meth:`send`)."""
 
     def start_bitwise_and(self, words: np.ndarray) -> Pending:
         self.world.count("bitwise_and")
@@ -237,6 +259,19 @@ class MemoryControlPlane(ControlPlane):
 
     def broadcast(self, payload: Any) -> Any:
         return self._negotiation.all(payload)[0]
+
+    def send(self, payload: Any, peer: int) -> None:
+        check_peer(self, peer)
+        self.world.count("send")
+        count = self._sent.get(peer, 0)
+        self._sent[peer] = count + 1
+        self.world.arrive(("message", self.rank, peer, count), self.rank, payload)
+
+    def recv(self, peer: int) -> Any:
+        check_peer(self, peer)
+        count = self._received.get(peer, 0)
+        self._received[peer] = count + 1
+        return self.world.receive(("message", peer, self.rank, count))
 
     def allgather_ints(self, values: Sequence[int]) -> list[list[int]]:
         return [list(v) for v in self._negotiation.all(list(values))]

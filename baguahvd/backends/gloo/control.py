@@ -1,9 +1,9 @@
 """The gloo control plane: the engine's negotiation over process groups of its own, and
 alarms, the exit barrier and abort through the job's store.
 
-Negotiation (one bitwise AND per cycle, a gather to rank 0 and a broadcast) runs on a
-process group that carries nothing else, so it never interleaves with data collectives,
-which run on the groups :meth:`GlooControlPlane.create_group_comm` makes.
+Negotiation (one bitwise AND per cycle, a gather to rank 0 or messages up a tree, and a
+broadcast) runs on a process group that carries nothing else, so it never interleaves with
+data collectives, which run on the groups :meth:`GlooControlPlane.create_group_comm` makes.
 
 gloo has no message that can be probed without blocking, so the traffic outside the
 lockstep protocol goes through the store, on a connection of its own (a clone of the
@@ -34,13 +34,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from baguahvd.backends.base import ControlPlane, Pending
+from baguahvd.backends.base import ControlPlane, Pending, check_peer
 from baguahvd.backends.gloo.communicator import GlooCommunicator, reduce_options, wait
 from baguahvd.backends.gloo.setup import GlooWorld
 
 logger = logging.getLogger("baguahvd")
 
 _ABORT_KEY = "abort"
+# The tag of point-to-point messages of the negotiation (see GlooControlPlane.send).
+_TAG_NEGOTIATION = 1
 
 
 class GlooControlPlane(ControlPlane):
@@ -102,6 +104,24 @@ class GlooControlPlane(ControlPlane):
             buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         wait(self._group.broadcast([buffer], options), self.world.failed)
         return payload if self.rank == 0 else pickle.loads(buffer.numpy().tobytes())
+
+    def send(self, payload: Any, peer: int) -> None:
+        """Pickles ``payload`` to ``peer``: its length, then its bytes."""
+        check_peer(self, peer)
+        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        wait(self._group.send([length], peer, _TAG_NEGOTIATION), self.world.failed)
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        wait(self._group.send([buffer], peer, _TAG_NEGOTIATION), self.world.failed)
+
+    def recv(self, peer: int) -> Any:
+        """The next payload ``peer`` sent this rank."""
+        check_peer(self, peer)
+        length = torch.empty(1, dtype=torch.int64)
+        wait(self._group.recv([length], peer, _TAG_NEGOTIATION), self.world.failed)
+        buffer = torch.empty(int(length.item()), dtype=torch.uint8)
+        wait(self._group.recv([buffer], peer, _TAG_NEGOTIATION), self.world.failed)
+        return pickle.loads(buffer.numpy().tobytes())
 
     def allgather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length everywhere), by rank."""

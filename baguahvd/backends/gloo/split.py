@@ -179,6 +179,12 @@ class SplitControlPlane(ControlPlane):
     def broadcast(self, payload: Any) -> Any:
         return self.control.broadcast(payload)
 
+    def send(self, payload: Any, peer: int) -> None:
+        self.control.send(payload, peer)
+
+    def recv(self, peer: int) -> Any:
+        return self.control.recv(peer)
+
     def allgather_ints(self, values: Sequence[int]) -> list[list[int]]:
         return self.control.allgather_ints(values)
 

@@ -1,7 +1,8 @@
 """The MPI control plane: the engine's negotiation over duplicates of the job's communicator.
 
 Three duplicates keep three kinds of traffic apart: the lockstep negotiation (one
-non-blocking bitwise AND, a gather to rank 0 and a broadcast per cycle), alarms (point to
+non-blocking bitwise AND, a gather to rank 0 or messages up a tree, tagged
+``_TAG_NEGOTIATION``, and a broadcast per cycle), alarms (point to
 point, outside the lockstep protocol, tagged ``_TAG_ALARM`` and answered with ``_TAG_ACK``)
 and the exit barrier used after a failure, when the negotiation communicator may be stuck
 in a collective that will never complete.
@@ -19,9 +20,11 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from baguahvd.backends.base import ControlPlane, Pending
+from baguahvd.backends.base import ControlPlane, Pending, check_peer
 from baguahvd.backends.mpi.communicator import MPICommunicator
 
+# The tag of point-to-point messages of the negotiation (see MPIControlPlane.send).
+_TAG_NEGOTIATION = 4
 # Tags of the alarm communicator (see MPIControlPlane.raise_alarm).
 _TAG_ALARM = 1
 _TAG_ACK = 2
@@ -76,6 +79,17 @@ class MPIControlPlane(ControlPlane):
     def broadcast(self, payload: Any) -> Any:
         """Sends rank 0's ``payload`` to every rank."""
         return self.comm.bcast(payload, root=0)
+
+    def send(self, payload: Any, peer: int) -> None:
+        """Pickles ``payload`` to ``peer`` (a standard-mode send: a large payload waits for
+        the receive)."""
+        check_peer(self, peer)
+        self.comm.send(payload, dest=peer, tag=_TAG_NEGOTIATION)
+
+    def recv(self, peer: int) -> Any:
+        """The next payload ``peer`` sent this rank."""
+        check_peer(self, peer)
+        return self.comm.recv(source=peer, tag=_TAG_NEGOTIATION)
 
     def allgather_ints(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length everywhere), by rank."""

@@ -1,7 +1,8 @@
 """Negotiation: before anything runs, the ranks agree on what runs, in which order.
 
 The parts: :mod:`.negotiator` (one rank's side: what it announces each cycle and what it
-learns), :mod:`.bits` (the announced byte vector), :mod:`.coordinator` (rank 0 matches
+learns), :mod:`.bits` (the announced byte vector), :mod:`.tree` (how the reports reach rank
+0) and :mod:`.tally` (what they merge into on the way), :mod:`.coordinator` (rank 0 matches
 requests across ranks), :mod:`.cache` (the response cache), :mod:`.window` (the unnamed
 requests that wait on the cache) and :mod:`.stall` (rank 0's stall inspector).
 
@@ -14,10 +15,13 @@ Each cycle every rank runs the same exchange on the control plane:
    stays set while "I have nothing pending" (see :meth:`.negotiator.Negotiator.pause_s`). A
    slot that every rank marked pending runs from the cache without rank 0; one that some
    rank marked invalid is evicted everywhere and its requests are negotiated in full.
-2. Only when some rank has something to send: a gather of
-   :class:`~baguahvd.engine.notices.RankReport` to rank 0, whose
+2. Only when some rank has something to send: every rank's
+   :class:`~baguahvd.engine.notices.RankReport` goes to rank 0, merged on the way up a
+   binomial tree into one :class:`~baguahvd.engine.negotiation.tally.Tally` (each distinct
+   request once, with the ranks that sent it; small jobs gather the reports instead, see
+   :mod:`.tree`), and rank 0's
    :class:`~baguahvd.engine.negotiation.coordinator.Coordinator` answers every rank with one
-   :class:`~baguahvd.engine.notices.Decision`.
+   :class:`~baguahvd.engine.notices.Decision` (a broadcast).
 
 Rank 0 also uses the second step to hand every rank new autotune settings
 (:mod:`~baguahvd.engine.autotune`): while it holds a proposal it announces something to

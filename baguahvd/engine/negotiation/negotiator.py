@@ -31,6 +31,7 @@ from baguahvd.engine.negotiation.cache import (
 )
 from baguahvd.engine.negotiation.coordinator import Coordinator
 from baguahvd.engine.negotiation.stall import StallInspector
+from baguahvd.engine.negotiation.tree import collect
 from baguahvd.engine.negotiation.window import UnnamedWindow, counted, under_own_names
 from baguahvd.engine.notices import Decision, Notice, RankReport
 from baguahvd.engine.process_sets import ProcessSetState
@@ -303,11 +304,13 @@ class Negotiator:
     def exchange(self, report: RankReport) -> Decision:
         """Sends this rank's report to rank 0 and returns rank 0's decision."""
         self.exchanges += 1
-        gathered = self.control.gather(report)
+        tally = collect(self.control, report)
         decision: Decision | None = None
         if self.coordinator is not None:
-            assert gathered is not None
-            decision = self.coordinator.decide(gathered, self.process_sets, self.size)
+            assert tally is not None
+            decision = self.coordinator.decide(
+                tally, self.process_sets, self.size, time.monotonic()
+            )
             if self.proposal is not None and decision.notice is None:
                 decision = decision._replace(settings=self.proposal)
                 self.proposal = None
