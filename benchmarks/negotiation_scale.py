@@ -2,7 +2,7 @@
 
 Every rank is a thread driving a real :class:`~baguahvd.engine.engine.Engine` over the
 in-process world of ``tests/fakes/world.py``, with two changes: the control plane costs what
-mpi4py's does (the payloads of ``gather`` and ``broadcast`` are pickled by the sender and
+mpi4py's does (the payloads of ``gather``, ``broadcast`` and ``send`` are pickled by the sender and
 unpickled by the receivers, on the engine thread, as mpi4py does for Python objects), and
 a meeting wakes its members once, when the last arrives (the test world's members poll).
 Each step every rank submits ``--requests`` named allreduces of one float and waits for
@@ -11,7 +11,9 @@ them. Two cases:
 - **hits**: the response cache on (Horovod's default); after the first step each cycle is
   one bitwise AND over the ranks;
 - **misses**: ``HOROVOD_CACHE_CAPACITY=0``; every request goes to rank 0 in every step,
-  which matches it across the ranks and broadcasts the decision.
+  which matches it across the ranks and broadcasts the decision. The reports reach rank 0
+  up the tree of :mod:`baguahvd.engine.negotiation.tree` from ``--tree-from`` ranks on (the
+  engine's default: ``TREE_FROM_RANKS``), gathered below that.
 
 Measured per step, on rank 0 (the coordinator) and on the median of the other ranks (the
 workers): the CPU time of the engine thread, less the time it spent inside the in-memory
@@ -20,14 +22,22 @@ left is the engine's own work: building and reading announcements, pickling, mat
 fusion planning, dispatch. Thread CPU time is unaffected by the threads sharing two cores,
 although the run's wall time is not.
 
+Without the threads (``--alone``), each rank's work on one cycle of misses, from 2 to 4,096
+ranks: with the gather, rank 0 unpickling every report, merging, matching and pickling the
+decision; up the tree, rank 0's work, the busiest other rank's, a leaf's, and the chain of
+work that ends rank 0's (each rank merging a child's tally once that child is done; no time
+on the wire).
+
 The prediction for 1,024 and 4,096 ranks fits ``a + b * ranks`` to each series, and adds a
 network model of the messages: hits cost one allreduce of the announcement's words
 (``2 * log2(ranks)`` latencies in a tree or recursive doubling, as MPI does for small
 messages), misses a gather of every report to rank 0 (``ranks - 1`` messages arriving at
-one rank) and a broadcast of the decision (``log2(ranks)`` latencies). Horovod's design is
+one rank) or the tree (``log2(ranks)`` latencies) and a broadcast of the decision
+(``log2(ranks)`` latencies). Horovod's design is
 the same: a bit-vector allreduce for cache hits, a gather to its coordinator on misses.
 
     python benchmarks/negotiation_scale.py --ranks 2 4 8 16 32 64 128 256
+    python benchmarks/negotiation_scale.py --cases --alone 2 8 64 1024 4096
 """
 
 from __future__ import annotations
@@ -49,8 +59,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from negotiation_alone import gather_alone, gather_pickling_s, tree_alone  # noqa: E402
+
 from baguahvd.backends.base import Pending  # noqa: E402
 from baguahvd.engine.messages import OpType  # noqa: E402
+from baguahvd.engine.negotiation import tree  # noqa: E402
 from tests.fakes import world as world_module  # noqa: E402
 
 FIT_FROM = 8
@@ -119,6 +132,25 @@ class _QuietWorld(world_module.World):
         return values
 
 
+    def receive(self, key: tuple[object, ...]) -> Any:
+        with self._cond:
+            meeting = self._meetings.setdefault(key, {})
+            arrived = self._arrived.setdefault(key, threading.Event())
+            if meeting:
+                arrived.set()
+        arrived.wait()
+        with self._cond:
+            (value,) = self._meetings.pop(key).values()
+            del self._arrived[key]
+        return value
+
+    def arrive(self, key: tuple[object, ...], rank: int, value: Any) -> None:
+        super().arrive(key, rank, value)
+        if key[0] == "message":
+            with self._cond:
+                self._arrived.setdefault(key, threading.Event()).set()
+
+
 class _TimedPending(Pending):
     """A started bitwise AND whose tests and waits count as the rank's transport time."""
 
@@ -150,6 +182,16 @@ class _PicklingControlPlane(world_module.MemoryControlPlane):
         parent = super().gather
         gathered = _timed_meet(self.accounting, self.rank, lambda: parent(data))
         return None if gathered is None else [pickle.loads(item) for item in gathered]
+
+    def send(self, payload: Any, peer: int) -> None:
+        data = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
+        self.accounting.bytes_to_root[self.rank] += len(data)
+        parent = super().send
+        _timed_meet(self.accounting, self.rank, lambda: parent(data, peer))
+
+    def recv(self, peer: int) -> Any:
+        parent = super().recv
+        return pickle.loads(_timed_meet(self.accounting, self.rank, lambda: parent(peer)))
 
     def broadcast(self, payload: Any) -> Any:
         data = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL) if self.rank == 0 else None
@@ -228,36 +270,6 @@ def measure(size: int, requests: int, steps: int, cached: bool) -> dict[str, Any
     }
 
 
-def coordinator_alone(size: int, requests: int, repeats: int = 5) -> float:
-    """Rank 0's work on a cycle of misses without the threads: unpickling ``size`` reports
-    of ``requests`` allreduces each, matching them and pickling the decision (median
-    thread CPU seconds). No other thread competes, so it also runs at 1,024 and 4,096."""
-    from baguahvd.engine.messages import RequestMeta
-    from baguahvd.engine.negotiation.coordinator import Coordinator
-    from baguahvd.engine.negotiation.stall import StallInspector
-    from baguahvd.engine.notices import RankReport
-    from baguahvd.engine.process_sets import ProcessSetState
-
-    sets = {0: ProcessSetState(0, tuple(range(size)), comm=None)}
-    reports = [
-        pickle.dumps(RankReport(
-            [RequestMeta(key=f"allreduce.grad.{i}", name=f"allreduce.grad.{i}",
-                         op=OpType.ALLREDUCE, process_set_id=0, rank=rank, dtype="float32",
-                         shapes=((1,),)) for i in range(requests)],
-            [0.0] * requests,
-        ))
-        for rank in range(size)
-    ]
-    times = []
-    for _ in range(repeats):
-        start = time.thread_time()
-        coordinator = Coordinator(StallInspector(60.0, 0.0, False), None)
-        decision = coordinator.decide([pickle.loads(r) for r in reports], sets, size)
-        pickle.dumps(decision)
-        times.append(time.thread_time() - start)
-    return statistics.median(times)
-
-
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least squares ``a + b * ranks``."""
     xs = np.array([p[0] for p in points], dtype=float)
@@ -266,10 +278,12 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def network_s(ranks: int, cached: bool) -> float:
+def network_s(ranks: int, cached: bool, up_the_tree: bool) -> float:
     """Latency of the cycle's messages (see module docstring)."""
     depth = math.ceil(math.log2(max(ranks, 2)))
     if cached:
+        return 2 * depth * LATENCY_S
+    if up_the_tree:  # a tree to rank 0, a tree back
         return 2 * depth * LATENCY_S
     return (ranks - 1) * LATENCY_S / 4 + depth * LATENCY_S  # gather: 4 messages/latency in
 
@@ -279,36 +293,56 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16, 32, 64])
     parser.add_argument("--requests", type=int, default=64, help="allreduces per step")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--cases", nargs="*", default=["hits", "misses"],
+                        choices=["hits", "misses"], help="the threaded runs (none: skip)")
+    parser.add_argument("--tree-from", type=int, default=tree.TREE_FROM_RANKS,
+                        help="threaded runs: jobs of this many ranks or more use the tree")
+    parser.add_argument("--alone", type=int, nargs="*",
+                        default=[2, 4, 8, 16, 32, 64, 256, 1024, 4096],
+                        help="ranks of the runs without threads")
     parser.add_argument("--predict", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    tree.TREE_FROM_RANKS = args.tree_from
     rows = []
-    for cached in (True, False):
+    if args.cases:  # warms the process up (imports, first allocations); not reported
+        measure(2, args.requests, 1, args.cases[0] == "hits")
+    for case in args.cases:
         for size in args.ranks:
-            row = measure(size, args.requests, args.steps, cached)
+            row = measure(size, args.requests, args.steps, case == "hits")
+            row["tree"] = size >= args.tree_from
             rows.append(row)
-            print(f"{'hits' if cached else 'misses':6} {size:4d} ranks: coordinator "
-                  f"{1e3 * row['coordinator_s']:8.3f} ms/step, worker "
+            print(f"{case:6} {size:4d} ranks ({'tree' if row['tree'] else 'gather'}): "
+                  f"coordinator {1e3 * row['coordinator_s']:8.3f} ms/step, worker "
                   f"{1e3 * row['worker_s']:7.3f} ms/step, {row['cycles_per_step']:.1f} "
-                  f"cycles/step, reports {row['report_bytes']:.0f} B/step, decisions "
+                  f"cycles/step, sent {row['report_bytes']:.0f} B/step, decisions "
                   f"{row['decision_bytes']:.0f} B/step, wall {row['wall_s_per_step']:.2f} s/step",
                   flush=True)
     alone = []
-    for size in sorted({*args.ranks, *args.predict}):
-        seconds = coordinator_alone(size, args.requests)
-        alone.append({"ranks": size, "coordinator_s": seconds})
-        print(f"coordinator alone, misses, {size:5d} ranks: {1e3 * seconds:8.3f} ms/cycle",
-              flush=True)
+    for size in args.alone:
+        root = gather_alone(size, args.requests)
+        gathered = gather_pickling_s(size, args.requests) + root
+        row = {"ranks": size, "gather_path_s": gathered, "gather_root_s": root,
+               **{f"tree_{k}": v for k, v in tree_alone(size, args.requests).items()}}
+        alone.append(row)
+        print(f"alone, misses, {size:5d} ranks: gather: rank 0 {1e3 * row['gather_root_s']:8.3f} "
+              f"ms, chain {1e3 * gathered:8.3f} ms; tree: rank 0 {1e3 * row['tree_root_s']:6.3f} "
+              f"ms, busiest other {1e3 * row['tree_interior_s']:6.3f} ms, leaf "
+              f"{1e3 * row['tree_leaf_s']:6.3f} ms, chain {1e3 * row['tree_path_s']:7.3f} ms, "
+              f"largest message {row['tree_message_bytes']} B", flush=True)
     predictions = []
     for cached in (True, False):
-        series = [r for r in rows if r["cached"] == cached]
+        series = [r for r in rows if r["cached"] == cached and r["ranks"] >= FIT_FROM]
+        if len(series) < 2:
+            continue
         for role in ("coordinator_s", "worker_s"):
-            a, b = _fit([(r["ranks"], r[role]) for r in series if r["ranks"] >= FIT_FROM])
+            a, b = _fit([(r["ranks"], r[role]) for r in series])
             for size in args.predict:
                 predictions.append({
                     "cached": cached, "role": role.removesuffix("_s"), "ranks": size,
-                    "engine_s": a + b * size, "network_s": network_s(size, cached),
+                    "engine_s": a + b * size,
+                    "network_s": network_s(size, cached, size >= args.tree_from),
                     "fit": {"a": a, "b": b},
                 })
     for p in predictions:
@@ -317,9 +351,9 @@ def main() -> None:
               f"messages {1e3 * p['network_s']:7.3f} ms/cycle", flush=True)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"requests": args.requests, "steps": args.steps, "rows": rows,
-                       "coordinator_alone": alone, "predictions": predictions,
-                       "latency_s": LATENCY_S}, out, indent=1)
+            json.dump({"requests": args.requests, "steps": args.steps,
+                       "tree_from": args.tree_from, "rows": rows, "alone": alone,
+                       "predictions": predictions, "latency_s": LATENCY_S}, out, indent=1)
 
 
 if __name__ == "__main__":
