@@ -308,13 +308,13 @@ class Dispatcher:
         # sets, has it on). Tensors made under torch.inference_mode() (an evaluation loop's
         # metrics) can only be written in inference mode, and outputs made for them are
         # inference tensors as well.
-        inference = _any_inference(unit)
+        inference = execute.any_inference(unit)
         if inference or torch.is_grad_enabled():
             with torch.inference_mode() if inference else torch.no_grad():
                 outcomes = self._execute_traced(unit, comm, run)
             if run.rest is not None:
                 # Run later, maybe by another thread: under the same mode.
-                run.rest = functools.partial(_without_grad, run.rest, inference)
+                run.rest = functools.partial(execute.without_grad, run.rest, inference)
             return outcomes
         return self._execute_traced(unit, comm, run)
 
@@ -378,27 +378,3 @@ class Dispatcher:
         if self.registry is None:
             raise HorovodInternalError("this dispatcher cannot change process sets")
         return self.registry
-
-
-def _any_inference(unit: list[Entry]) -> bool:
-    """Whether a tensor of the unit's requests was made in inference mode (an in-place
-    request's outputs are its inputs: checked once)."""
-    for _, request in unit:
-        if request is None:
-            continue
-        for tensor in request.inputs:
-            if tensor.is_inference():
-                return True
-        outputs = request.outputs
-        if outputs is not None and outputs is not request.inputs:
-            for tensor in outputs:
-                if tensor.is_inference():
-                    return True
-    return False
-
-
-def _without_grad(call: Callable[[], None], inference: bool) -> None:
-    """``call()`` without autograd, in inference mode where the unit's tensors need it
-    (see :meth:`Dispatcher.execute`)."""
-    with torch.inference_mode() if inference else torch.no_grad():
-        call()

@@ -353,3 +353,27 @@ def reducescatter(
         scale_(tensor_out, post)
         outputs.append(tensor_out)
     return outputs
+
+
+def any_inference(unit: list[Entry]) -> bool:
+    """Whether a tensor of the unit's requests was made in inference mode (an in-place
+    request's outputs are its inputs: checked once)."""
+    for _, request in unit:
+        if request is None:
+            continue
+        for tensor in request.inputs:
+            if tensor.is_inference():
+                return True
+        outputs = request.outputs
+        if outputs is not None and outputs is not request.inputs:
+            for tensor in outputs:
+                if tensor.is_inference():
+                    return True
+    return False
+
+
+def without_grad(call: Callable[[], None], inference: bool) -> None:
+    """``call()`` without autograd, in inference mode where the unit's tensors need it
+    (see :meth:`~baguahvd.engine.execution.dispatch.Dispatcher.execute`)."""
+    with torch.inference_mode() if inference else torch.no_grad():
+        call()
