@@ -140,11 +140,12 @@ class Negotiator:
         waiting = self.waiting_on_cache
         timeline = self.timeline
         traced = timeline is not None and timeline.active
+        hit = Lookup.HIT
         for request in requests:
             meta = request.meta
             if may_cache(meta.op, meta.key):
                 found, slot = lookup(meta.process_set_id, meta.key, meta.signature())
-                if found is Lookup.HIT:
+                if found is hit:
                     waiting[slot] = request
                     if traced:
                         assert timeline is not None

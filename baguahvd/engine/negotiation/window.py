@@ -15,6 +15,7 @@ from collections.abc import Hashable
 from baguahvd.engine.messages import (
     GLOBAL_PROCESS_SET_ID,
     RequestMeta,
+    Response,
     is_unnamed,
     unnamed_number,
 )
@@ -38,8 +39,9 @@ def under_own_names(entries: list[Entry]) -> int:
     for index, (response, request) in enumerate(entries):
         if request is not None and counted(request.meta.process_set_id, request.meta.key):
             meta = request.meta
-            named = response.meta._replace(key=meta.key, name=meta.name)
-            entries[index] = (response._replace(meta=named), request)
+            # _make of slices: _replace costs twice as much, on every request of a burst.
+            named = RequestMeta._make((meta.key, meta.name, *response.meta[2:]))
+            entries[index] = (Response._make((named, *response[1:])), request)
             settled += 1
     return settled
 
@@ -70,13 +72,14 @@ class UnnamedWindow:
         slots: list[int] = []
         self.slots = slots
         lookup = cache.lookup
+        hit = Lookup.HIT
         for request in self.requests[:LOOKUPS_MAX]:
             meta = request.meta
             position = unnamed_number(meta.key) - base
             found, slot = lookup(
                 GLOBAL_PROCESS_SET_ID, cache_key(meta, position), request_signature(meta)
             )
-            if found is not Lookup.HIT:
+            if found is not hit:
                 return slot if found is Lookup.STALE else None
             slots.append(slot)
         return None
