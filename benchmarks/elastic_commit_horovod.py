@@ -1,7 +1,7 @@
 """Per-step cost of state.commit(): baguahvd vs Horovod 0.28.1, one plain mpirun job.
 
     mpirun -np 2 python benchmarks/elastic_commit_horovod.py [--steps 8] [--rounds 3]
-        [--idle-ms 600] [--json out.json]
+        [--idle-ms 600] [--kinds compute idle] [--json out.json]
 
 Model: the 25.2M-parameter MLP of benchmarks/elastic_commit.py (100 MB float32, SGD), one
 thread a rank. Systems run one at a time (init, phases, shutdown), order alternated per
@@ -32,6 +32,8 @@ from mpi4py import MPI
 
 import baguahvd.torch as bhvd
 from baguahvd.runtime.runtime import runtime
+
+KINDS = ("compute", "idle")
 
 
 def build(api):
@@ -77,6 +79,8 @@ def run_system(system, args, folder):
     times = {}
     lags = {}
     for kind, step in (("compute", compute), ("idle", idle)):
+        if kind not in args.kinds:
+            continue
         for phase in ("none", *states):
             MPI.COMM_WORLD.Barrier()
             out = times.setdefault(f"{kind}/{phase}", [])
@@ -117,6 +121,8 @@ def main():
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--idle-ms", type=float, default=600.0)
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                        help="the kinds of step to run")
     parser.add_argument("--json")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
@@ -144,7 +150,7 @@ def main():
     mean = {k: 1e3 * statistics.fmean(v) for k, v in merged.items()}
     print(f"load average {load_before} -> {load_after}; {args.rounds} rounds x "
           f"{args.steps} steps a phase, 2 ranks")
-    for kind in ("compute", "idle"):
+    for kind in args.kinds:
         print(f"\n{kind} steps")
         print(f"{'system:phase':<26}{'median ms':>10}{'mean ms':>10}"
               f"{'added (median)':>16}{'added (mean)':>14}")
