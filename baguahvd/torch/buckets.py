@@ -4,13 +4,15 @@ The protocol, per optimizer:
 
 1. The first synchronized step runs the per-tensor path and records, on every rank, the
    order in which gradients became due (their countdown reached zero in a hook, or
-   ``synchronize()`` forced them), which of them arrived sparse, and which arrived at all.
+   ``synchronize()`` forced them) and when, which of them arrived sparse, and which
+   arrived at all.
 2. At the end of that ``synchronize()`` the members of the process set agree on a layout
    (:func:`agree_layout`): the first member's order, without the parameters that some member
    cannot bucket (sparse gradients, non-contiguous or channels_last parameters, dtypes other
    than float16, bfloat16, float32 and float64) and those no member received a gradient for.
    One allreduce of flags and one broadcast, once. :func:`plan_buckets` then splits that
-   order by dtype and device into buckets of up to the engine's fusion threshold; each of
+   order by dtype and device into buckets of up to the engine's fusion threshold, and
+   before a gradient that the first member saw due well after the one before it; each of
    the user's ``groups`` whose members can all be bucketed is a bucket of its own.
 3. Each bucket owns one flat buffer, and each member's ``.grad`` becomes a view of it, so
    that autograd accumulates straight into the buffer. ``zero_grad()`` zeroes the buffers
@@ -30,7 +32,8 @@ alone with the same op and factors.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+import time
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -68,22 +71,48 @@ def bucket_threshold(fusion_threshold: int, bucket_bytes: int) -> int:
     return min(fusion_threshold, bucket_bytes)
 
 
+BREAK_GAP_S = 1e-3
+"""A gradient that became due this long after the one before it, in the first member's
+first step, starts a new bucket (see :func:`plan_buckets`)."""
+BREAK_MIN_BYTES = 1 << 20
+"""... once the bucket it would join holds this many bytes: enough to be worth a
+collective of its own."""
+
+
+def readiness_breaks(order: Sequence[str], times: Sequence[float]) -> list[str]:
+    """The names in ``order`` (due at ``times``, in seconds) that became due at least
+    :data:`BREAK_GAP_S` after the name before them."""
+    return [
+        name for index, name in enumerate(order)
+        if index and times[index] - times[index - 1] >= BREAK_GAP_S
+    ]
+
+
 def plan_buckets(
     order: Sequence[str],
     keys: Mapping[str, Hashable],
     sizes: Mapping[str, int],
     threshold: int,
+    breaks: Collection[str] = (),
 ) -> list[list[str]]:
     """Splits ``order`` into buckets: consecutive parameters of one key (dtype and device)
     share a bucket while its bytes stay within ``threshold``; a parameter larger than
     ``threshold`` has a bucket to itself, and so has every parameter when ``threshold`` is
-    0 or less. Buckets are listed in the order of their first parameter."""
+    0 or less. A parameter in ``breaks`` (due well after the one before it,
+    :func:`readiness_breaks`) starts a new bucket when the open one already holds
+    :data:`BREAK_MIN_BYTES`: a bucket is sent once its last gradient is due, so a small
+    gradient due late would hold back the large ones due early (a layer's bias, due with
+    the next layer's weight). Buckets are listed in the order of their first parameter."""
     buckets: list[list[str]] = []
     open_buckets: dict[Hashable, tuple[list[str], int]] = {}
+    breaks = frozenset(breaks)
     for name in order:
         key, size = keys[name], sizes[name]
         current = open_buckets.get(key)
-        if current is not None and current[1] + size > threshold:
+        if current is not None and (
+            current[1] + size > threshold
+            or (name in breaks and current[1] >= BREAK_MIN_BYTES)
+        ):
             current = None
         if current is None:
             current = ([], 0)
@@ -111,6 +140,8 @@ class Recording:
 
     order: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """Parameters in the order their gradients became due, each once."""
+    times: list[float] = dataclasses.field(default_factory=list)
+    """When each of :attr:`order` became due (``time.perf_counter``)."""
     seen: set[torch.Tensor] = dataclasses.field(default_factory=set)
     """Parameters whose gradient autograd produced."""
     sparse: set[torch.Tensor] = dataclasses.field(default_factory=set)
@@ -129,6 +160,7 @@ class Recording:
         if p not in self.listed:
             self.listed.add(p)
             self.order.append(p)
+            self.times.append(time.perf_counter())
 
 
 def agree_layout(
@@ -137,9 +169,10 @@ def agree_layout(
     tracked: Iterable[torch.Tensor],
     threshold: int,
     process_set: ProcessSet,
-) -> tuple[list[str], int]:
-    """The bucketable parameter names in the first member's order, and the first member's
-    fusion ``threshold``: the same on every member (collective over ``process_set``)."""
+) -> tuple[list[str], int, list[str]]:
+    """The bucketable parameter names in the first member's order, the first member's
+    fusion ``threshold`` and its :func:`readiness_breaks`: the same on every member
+    (collective over ``process_set``)."""
     by_name = sorted((names[p], p) for p in tracked)
     local = torch.tensor(
         [int(p in recording.sparse or not can_bucket(p)) for _, p in by_name]
@@ -156,13 +189,14 @@ def agree_layout(
         if totals[index] == 0 and totals[count + index] > 0
     }
     root = process_set.ranks[0] if process_set.ranks else 0
-    order, threshold = broadcast_object(
-        ([names[p] for p in recording.order], threshold), root,
+    mine = [names[p] for p in recording.order]
+    order, threshold, breaks = broadcast_object(
+        (mine, threshold, readiness_breaks(mine, recording.times)), root,
         name="DistributedOptimizer.bucket_layout.order", process_set=process_set,
     )
     listed = set(order)
     order += sorted(name for name, _ in by_name if name not in listed)
-    return [name for name in order if name in allowed], threshold
+    return [name for name in order if name in allowed], threshold, breaks
 
 
 class GradientBucket:
@@ -307,9 +341,11 @@ def layout_with_groups(
     groups: Sequence[Sequence[torch.Tensor]],
     names: Mapping[torch.Tensor, str],
     threshold: int,
+    breaks: Collection[str] = (),
 ) -> list[list[str]]:
     """The buckets for the agreed ``order`` of bucketable names (``params`` maps every name
-    to its parameter): the ungrouped ones split by :func:`plan_buckets`, then each of the
+    to its parameter): the ungrouped ones split by :func:`plan_buckets` (with ``breaks``),
+    then each of the
     user's ``groups`` whose members are all bucketable and share a dtype and device as a
     bucket of its own. The other groups stay grouped allreduces."""
     allowed = set(order)
@@ -325,4 +361,4 @@ def layout_with_groups(
     free = [name for name in order if name not in grouped]
     keys = {name: (params[name].dtype, params[name].device) for name in free}
     sizes = {name: params[name].numel() * params[name].element_size() for name in free}
-    return plan_buckets(free, keys, sizes, threshold) + group_buckets
+    return plan_buckets(free, keys, sizes, threshold, breaks) + group_buckets

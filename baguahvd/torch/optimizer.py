@@ -255,11 +255,11 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
             runtime.require_engine().settings.fusion_threshold,
             runtime.config.bucket_bytes if runtime.config is not None else 0,
         )
-        order, threshold = agree_layout(
+        order, threshold, breaks = agree_layout(
             recording, names, self._requires_update, threshold, self.process_set
         )
         params = {names[p]: p for p in self._requires_update}
-        layout = layout_with_groups(order, params, self._groups, names, threshold)
+        layout = layout_with_groups(order, params, self._groups, names, threshold, breaks)
         if layout:
             self._buckets = GradientBuckets(
                 layout, params, self.op, self._factors(), self._compression, self.process_set

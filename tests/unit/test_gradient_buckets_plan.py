@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from baguahvd.torch.buckets import (
+    BREAK_GAP_S,
+    BREAK_MIN_BYTES,
     GradientBucket,
     adopt,
     bucket_name,
@@ -12,6 +14,7 @@ from baguahvd.torch.buckets import (
     can_bucket,
     layout_with_groups,
     plan_buckets,
+    readiness_breaks,
 )
 
 
@@ -28,6 +31,29 @@ def test_a_parameter_above_the_threshold_and_no_threshold_make_single_buckets() 
     sizes = {"a": 10, "b": 500, "c": 10}
     assert plan_buckets("abc", keys, sizes, 100) == [["a"], ["b"], ["c"]]
     assert plan_buckets("abc", keys, {"a": 1, "b": 1, "c": 1}, 0) == [["a"], ["b"], ["c"]]
+
+
+def test_a_gradient_due_late_starts_a_bucket_once_the_open_one_is_worth_sending() -> None:
+    # An MLP's backward: the last layer's gradients, then layer 4's (large), then layer 2's
+    # bias a long while later, with its weight.
+    order = ["6.bias", "6.weight", "4.bias", "4.weight", "2.bias", "2.weight", "0.bias"]
+    times = [0.0, 0.0001, 0.007, 0.0071, 0.022, 0.0221, 0.03]
+    assert readiness_breaks(order, times) == ["4.bias", "2.bias", "0.bias"]
+    assert readiness_breaks(order, [0.0] * len(order)) == []
+    keys = dict.fromkeys(order, "f32")
+    big = BREAK_MIN_BYTES * 4
+    sizes = {"6.bias": 40, "6.weight": 40_000, "4.bias": 4_000, "4.weight": big,
+             "2.bias": 8_000, "2.weight": big, "0.bias": 8_000}
+    breaks = readiness_breaks(order, times)
+    # Without the breaks, layer 2's bias would join (and hold back) the first bucket.
+    assert plan_buckets(order, keys, sizes, 10 * big) == [order]
+    assert plan_buckets(order, keys, sizes, 10 * big, breaks) == [
+        ["6.bias", "6.weight", "4.bias", "4.weight"], ["2.bias", "2.weight"], ["0.bias"],
+    ]
+    # A bucket holding less than BREAK_MIN_BYTES takes the late gradient all the same.
+    small = dict.fromkeys(order, 1_000)
+    assert plan_buckets(order, keys, small, 10 * big, breaks) == [order]
+    assert BREAK_GAP_S <= 0.007 - 0.0001
 
 
 def test_which_parameters_can_be_views() -> None:
