@@ -75,8 +75,8 @@ BREAK_GAP_S = 1e-3
 """A gradient that became due this long after the one before it, in the first member's
 first step, starts a new bucket (see :func:`plan_buckets`)."""
 BREAK_MIN_BYTES = 1 << 20
-"""... once the bucket it would join holds this many bytes: enough to be worth a
-collective of its own."""
+"""A late gradient starts a new bucket only once the bucket it would join holds this many
+bytes: enough to be worth a collective of its own."""
 
 
 def readiness_breaks(order: Sequence[str], times: Sequence[float]) -> list[str]:
