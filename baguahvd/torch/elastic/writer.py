@@ -162,7 +162,7 @@ class CommitWriter:
     def __init__(self, store: CheckpointStore) -> None:
         self._store = store
         self._staging = HostStaging()
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
         # The newest commit not yet taken by the write thread, and whether it is to be
         # written (False: kept in memory only, until flush() or a newer commit).
         self._newest: PendingCommit | None = None
@@ -174,7 +174,7 @@ class CommitWriter:
     @property
     def busy(self) -> bool:
         """Whether a write is in flight or due."""
-        with self._changed:
+        with self._lock:
             return self._thread is not None
 
     @property
@@ -194,7 +194,7 @@ class CommitWriter:
         """
         self._raise_failure()
         commit = PendingCommit.take(number, payload)
-        with self._changed:
+        with self._lock:
             self._newest = commit
             self._due = self._due or write
             self._start_if_due()
@@ -206,7 +206,7 @@ class CommitWriter:
         Raises:
             CommitWriteError: a write failed; raised once.
         """
-        with self._changed:
+        with self._lock:
             thread = self._thread
         if thread is not None:
             thread.join()
@@ -215,7 +215,7 @@ class CommitWriter:
     def flush(self) -> None:
         """Makes the newest commit durable: writes it if it was kept in memory only, and
         waits for it (:meth:`wait`)."""
-        with self._changed:
+        with self._lock:
             if self._newest is not None:
                 self._due = True
                 self._start_if_due()
@@ -227,7 +227,7 @@ class CommitWriter:
             self._thread.start()
 
     def _raise_failure(self) -> None:
-        with self._changed:
+        with self._lock:
             failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
@@ -235,7 +235,7 @@ class CommitWriter:
     def _run(self) -> None:
         _lower_priority()
         while True:
-            with self._changed:
+            with self._lock:
                 commit = self._newest if self._due and self._failure is None else None
                 if commit is None:
                     self._thread = None
@@ -259,7 +259,7 @@ class CommitWriter:
             )
             failure.__cause__ = error
             logger.error("%s", failure)
-            with self._changed:
+            with self._lock:
                 self._failure = failure
                 if self._due:
                     self._newest, self._due = None, False
