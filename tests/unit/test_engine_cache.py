@@ -11,8 +11,11 @@ from baguahvd.engine.negotiation.cache import (
     ResponseCache,
     cache_key,
     may_cache,
+    request_signature,
     response_cacheable,
 )
+from baguahvd.engine.negotiation.window import LOOKUPS_MIN, UnnamedWindow
+from baguahvd.engine.requests import Request
 from tests.fakes.responses import agreed
 
 
@@ -156,3 +159,60 @@ def test_unnamed_allreduces_and_broadcasts_of_the_global_set_are_cached_under_wh
     assert cache_key(broadcast) not in (None, cache_key(first))
     assert cache_key(broadcast) != cache_key(broadcast._replace(root=1))
     assert cache_key(meta._replace(op=OpType.BARRIER)) is None
+
+
+def test_a_recurring_unnamed_burst_longer_than_the_lookup_bound_soon_runs_in_one_cycle(
+) -> None:
+    # 600 unnamed allreduces of one shape, cached at positions 0..599: the first cycle looks
+    # up the first 256 only; each run that takes all it looked up doubles the bound (up to
+    # the cache's capacity), so a burst that recurs runs in one cycle from its third time.
+    cache = ResponseCache(1024)
+    meta = _meta(0, name="noname.0")
+    signature = request_signature(meta)
+    for position in range(600):
+        cache.put(_response(f"noname.{position}"), signature, member=True,
+                  key=cache_key(meta, position))
+    window = UnnamedWindow()
+
+    def burst(first: int) -> list[int]:
+        window.requests = [
+            Request(meta._replace(key=f"noname.{first + i}",
+                                  name=f"allreduce.noname.{first + i}"), [], None)
+            for i in range(600)
+        ]
+        runs = []
+        while window.requests:
+            assert window.look_up(cache) is None
+            everyone = (1 << 1024) - 1
+            _, run = window.take_run(everyone)
+            runs.append(len(run))
+        return runs
+
+    assert burst(0) == [256, 344]
+    assert window.lookups_max == 512
+    assert burst(600) == [512, 88]
+    assert window.lookups_max == 1024
+    assert burst(1200) == [600]
+    assert burst(1800) == [600]
+    assert window.lookups_max == 1024  # never past the cache's capacity
+
+
+def test_a_rank_far_ahead_looks_up_no_more_than_its_runs_need() -> None:
+    # Runs of 100 never reach the bound: it stays at its minimum however many wait.
+    cache = ResponseCache(1024)
+    meta = _meta(0, name="noname.0")
+    signature = request_signature(meta)
+    for position in range(1000):
+        cache.put(_response(f"noname.{position}"), signature, member=True,
+                  key=cache_key(meta, position))
+    window = UnnamedWindow()
+    window.requests = [
+        Request(meta._replace(key=f"noname.{i}", name=f"allreduce.noname.{i}"), [], None)
+        for i in range(1000)
+    ]
+    for _ in range(5):
+        window.look_up(cache)
+        assert len(window.slots) == LOOKUPS_MIN
+        first_hundred = sum(1 << slot for slot in window.slots[:100])
+        window.take_run(first_hundred)
+    assert window.lookups_max == LOOKUPS_MIN

@@ -22,9 +22,12 @@ from baguahvd.engine.messages import (
 from baguahvd.engine.negotiation.cache import Lookup, ResponseCache, cache_key, request_signature
 from baguahvd.engine.requests import Entry, Request
 
-LOOKUPS_MAX = 256
-"""The most requests looked up in one cycle: a rank far ahead of its peers looks its
-waiting requests up again every cycle, so this bounds what a cycle costs it."""
+LOOKUPS_MIN = 256
+"""The most requests looked up in one cycle at first: a rank far ahead of its peers looks
+its waiting requests up again every cycle, so a bound keeps what a cycle costs it near what
+the job's runs need. Each time a run takes every request the bound let a cycle look up, the
+bound doubles (up to the cache's capacity), so that a recurring burst longer than it soon
+runs in one cycle."""
 
 
 def counted(process_set_id: int, key: str) -> bool:
@@ -59,6 +62,9 @@ class UnnamedWindow:
         self._cycle_base = 0
         """:attr:`base` when this cycle's lookup ran: the cycle's responses are cached under
         positions counted from it (:meth:`cache_key`)."""
+        self.lookups_max = LOOKUPS_MIN
+        """The most requests a cycle looks up (see :data:`LOOKUPS_MIN`)."""
+        self._lookups_cap = LOOKUPS_MIN
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -69,11 +75,12 @@ class UnnamedWindow:
         to the first that misses. Returns the slot of an entry found stale there (to
         invalidate everywhere), else None."""
         self._cycle_base = base = self.base
+        self._lookups_cap = max(cache.capacity, LOOKUPS_MIN)
         slots: list[int] = []
         self.slots = slots
         lookup = cache.lookup
         hit = Lookup.HIT
-        for request in self.requests[:LOOKUPS_MAX]:
+        for request in self.requests[: self.lookups_max]:
             meta = request.meta
             position = unnamed_number(meta.key) - base
             found, slot = lookup(
@@ -98,6 +105,8 @@ class UnnamedWindow:
                     ready &= ~(1 << later)
                 break
             run[slot] = requests[index]
+        if len(run) == self.lookups_max:
+            self.lookups_max = min(2 * self.lookups_max, self._lookups_cap)
         del requests[: len(run)]
         self.slots = []
         self.base += len(run)
