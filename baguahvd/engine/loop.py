@@ -206,7 +206,8 @@ class EngineLoop:
             timeline.cycle_started()
             for response, own in entries:
                 if own is not None:
-                    timeline.queued(response.meta.name, response.meta.op, own.activity)
+                    # The request's name: an unnamed hit runs under an earlier call's response.
+                    timeline.queued(own.meta.name, response.meta.op, own.activity)
         self.inject_fault("run", entries)
         for unit in self.fusion_plans.plan(
             entries, self.settings.fusion_threshold, self.config.disable_group_fusion,
@@ -301,7 +302,10 @@ class EngineLoop:
         peers may wait in that collective, or its data communicators are out of step with
         theirs), and every rank's pending and later collectives raise the error."""
         exc = failure.error
-        names = [response.meta.name for response, _ in failure.unit]
+        names = [
+            (response if request is None else request).meta.name
+            for response, request in failure.unit
+        ]
         name = names[0] if len(names) == 1 else f"{names[0]} (fused with {len(names) - 1} more)"
         logger.error("%s failed on this rank; ending the job", name, exc_info=exc)
         reason = f"{name}: {describe_exception(exc)}"
@@ -344,7 +348,7 @@ class EngineLoop:
 def _reduced(entries: list[Entry]) -> list[tuple[str, int]]:
     """Name and bytes of this rank's allreduces among a cycle's entries (autotune's measure)."""
     return [
-        (response.meta.name, sum(t.numel() * t.element_size() for t in own.inputs))
+        (own.meta.name, sum(t.numel() * t.element_size() for t in own.inputs))
         for response, own in entries
         if own is not None and response.meta.op == OpType.ALLREDUCE and response.error is None
     ]

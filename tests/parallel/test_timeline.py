@@ -101,6 +101,33 @@ def test_large_tensors_skip_the_fusion_buffer(rank: int, size: int, tmp_path: Pa
     assert "MEMCPY_IN_FUSION_BUFFER" in _activities(events, rows["allreduce.unfused.1"])
 
 
+def test_unnamed_calls_answered_from_the_cache_show_their_own_names(
+    rank: int, size: int, tmp_path: Path
+) -> None:
+    # A recurring burst of unnamed calls runs from the cache under the responses agreed for
+    # the first burst; the timeline still draws each call under its own name.
+    path = tmp_path / "unnamed.json"
+    hvd.start_timeline(str(path))
+    hvd.barrier()
+    for _ in range(3):
+        tensors = [torch.full((4,), float(rank + i)) for i in range(5)]
+        handles = [hvd.allreduce_async_(t, op=hvd.Sum) for t in tensors]
+        for i, handle in enumerate(handles):
+            assert torch.all(hvd.synchronize(handle) == float(sum(range(size)) + size * i))
+    hvd.stop_timeline()
+    hvd.barrier()
+    if rank != 0:
+        return
+    events = _load(path)
+    rows = _rows(events)
+    numbers = sorted(int(name.rsplit(".", 1)[1]) for name in rows if ".noname." in name)
+    last = numbers[-1]
+    assert numbers[-15:] == list(range(last - 14, last + 1)), numbers
+    for name in (f"allreduce.noname.{number}" for number in numbers[-15:]):
+        activities = _activities(events, rows[name])
+        assert "QUEUE" in activities and "ALLREDUCE" in activities, (name, activities)
+
+
 def test_timeline_shows_the_bagua_algorithm(rank: int, size: int, tmp_path: Path) -> None:
     path = tmp_path / "bagua.json"
     torch.manual_seed(0)

@@ -175,11 +175,9 @@ def test_a_recurring_unnamed_burst_longer_than_the_lookup_bound_soon_runs_in_one
     window = UnnamedWindow()
 
     def burst(first: int) -> list[int]:
-        window.requests = [
-            Request(meta._replace(key=f"noname.{first + i}",
-                                  name=f"allreduce.noname.{first + i}"), [], None)
-            for i in range(600)
-        ]
+        for i in range(600):
+            window.add(Request(meta._replace(key=f"noname.{first + i}",
+                                             name=f"allreduce.noname.{first + i}"), [], None))
         runs = []
         while window.requests:
             assert window.look_up(cache) is None
@@ -206,10 +204,9 @@ def test_a_rank_far_ahead_looks_up_no_more_than_its_runs_need() -> None:
         cache.put(_response(f"noname.{position}"), signature, member=True,
                   key=cache_key(meta, position))
     window = UnnamedWindow()
-    window.requests = [
-        Request(meta._replace(key=f"noname.{i}", name=f"allreduce.noname.{i}"), [], None)
-        for i in range(1000)
-    ]
+    for i in range(1000):
+        window.add(Request(meta._replace(key=f"noname.{i}", name=f"allreduce.noname.{i}"),
+                           [], None))
     for _ in range(5):
         window.look_up(cache)
         assert len(window.slots) == LOOKUPS_MIN

@@ -32,7 +32,7 @@ from baguahvd.engine.negotiation.cache import (
 from baguahvd.engine.negotiation.coordinator import Coordinator
 from baguahvd.engine.negotiation.stall import StallInspector
 from baguahvd.engine.negotiation.tree import collect
-from baguahvd.engine.negotiation.window import UnnamedWindow, counted, under_own_names
+from baguahvd.engine.negotiation.window import UnnamedWindow, counted
 from baguahvd.engine.notices import Decision, Notice, RankReport
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Entry, Request
@@ -169,7 +169,7 @@ class Negotiator:
             if self.unnamed_pending > len(self.unnamed_window) + 1:
                 self.to_send.append(request)
             else:
-                self.unnamed_window.requests.append(request)
+                self.unnamed_window.add(request)
             return
         found, slot = self.cache.lookup(meta.process_set_id, key, request_signature(meta))
         if found is Lookup.HIT:
@@ -253,8 +253,8 @@ class Negotiator:
             (response, waiting(slot, None) or window.get(slot))
             for slot, response in zip(slots, self.cache.take(slots))
         ]
-        if window:
-            self.unnamed_pending -= under_own_names(entries)
+        # Their responses keep the names they were agreed under (see .window).
+        self.unnamed_pending -= len(window)
         if self.unnamed_window and (
             not flags & FLAG_NO_UNNAMED_IN_FULL or (not window and flags & FLAG_UNNAMED_WAITS)
         ):

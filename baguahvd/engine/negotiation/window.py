@@ -6,6 +6,12 @@ The request ``noname.N`` is looked up at position ``N - base``, where ``base`` i
 of the oldest unnamed collective of the global set not yet agreed. Every rank processes the
 same responses, so ``base`` is the same on every rank between cycles, and a position names
 the same collective everywhere.
+
+A request that runs from the cache runs under the cached response, which bears the name of
+the call it was agreed for (``noname.K`` of an earlier burst): nothing that runs it reads
+names, and what shows names (the timeline, error messages, autotune's counts) takes them
+from this rank's request. So a recurring burst hands out the same responses cycle after
+cycle, and reuses its fusion plan (:class:`~baguahvd.engine.execution.fusion.FusionPlans`).
 """
 
 from __future__ import annotations
@@ -15,12 +21,11 @@ from collections.abc import Hashable
 from baguahvd.engine.messages import (
     GLOBAL_PROCESS_SET_ID,
     RequestMeta,
-    Response,
     is_unnamed,
     unnamed_number,
 )
 from baguahvd.engine.negotiation.cache import Lookup, ResponseCache, cache_key, request_signature
-from baguahvd.engine.requests import Entry, Request
+from baguahvd.engine.requests import Request
 
 LOOKUPS_MIN = 256
 """The most requests looked up in one cycle at first: a rank far ahead of its peers looks
@@ -35,25 +40,14 @@ def counted(process_set_id: int, key: str) -> bool:
     return process_set_id == GLOBAL_PROCESS_SET_ID and is_unnamed(key)
 
 
-def under_own_names(entries: list[Entry]) -> int:
-    """Makes the unnamed requests among a cycle's cached hits run under their own names (the
-    cached response bears the name of the call it was agreed for); returns how many."""
-    settled = 0
-    for index, (response, request) in enumerate(entries):
-        if request is not None and counted(request.meta.process_set_id, request.meta.key):
-            meta = request.meta
-            # _make of slices: _replace costs twice as much, on every request of a burst.
-            named = RequestMeta._make((meta.key, meta.name, *response.meta[2:]))
-            entries[index] = (Response._make((named, *response[1:])), request)
-            settled += 1
-    return settled
-
-
 class UnnamedWindow:
     """The waiting requests, oldest first, and the cache slots this cycle found for them."""
 
     def __init__(self) -> None:
         self.requests: list[Request] = []
+        self._described: list[tuple[int, tuple[object, ...], tuple[object, ...]]] = []
+        """Per request: its number, its cache key but the position, and its signature (a
+        request may be looked up in several cycles: each lookup only adds the position)."""
         self.slots: list[int] = []
         """The slot of each request from the oldest on, as far as they hit in this cycle's
         lookup (:meth:`look_up`)."""
@@ -69,6 +63,15 @@ class UnnamedWindow:
     def __len__(self) -> int:
         return len(self.requests)
 
+    def add(self, request: Request) -> None:
+        """Queues a new unnamed request of the global set (a cacheable one) after the
+        others."""
+        meta = request.meta
+        key = cache_key(meta, 0)
+        assert isinstance(key, tuple)
+        self.requests.append(request)
+        self._described.append((unnamed_number(meta.key), key[:-1], request_signature(meta)))
+
     def look_up(self, cache: ResponseCache) -> int | None:
         """Starts a cycle (every rank, every cycle: the positions of the cycle's responses
         count from here) and finds the slots of the waiting requests from the oldest on, up
@@ -80,12 +83,8 @@ class UnnamedWindow:
         self.slots = slots
         lookup = cache.lookup
         hit = Lookup.HIT
-        for request in self.requests[: self.lookups_max]:
-            meta = request.meta
-            position = unnamed_number(meta.key) - base
-            found, slot = lookup(
-                GLOBAL_PROCESS_SET_ID, cache_key(meta, position), request_signature(meta)
-            )
+        for number, described, signature in self._described[: self.lookups_max]:
+            found, slot = lookup(GLOBAL_PROCESS_SET_ID, described + (number - base,), signature)
             if found is not hit:
                 return slot if found is Lookup.STALE else None
             slots.append(slot)
@@ -108,6 +107,7 @@ class UnnamedWindow:
         if len(run) == self.lookups_max:
             self.lookups_max = min(2 * self.lookups_max, self._lookups_cap)
         del requests[: len(run)]
+        del self._described[: len(run)]
         self.slots = []
         self.base += len(run)
         return ready, run
@@ -126,4 +126,5 @@ class UnnamedWindow:
     def take_all(self) -> list[Request]:
         """Empties the window (its requests go to rank 0 in full, or the engine stops)."""
         requests, self.requests, self.slots = self.requests, [], []
+        self._described = []
         return requests
