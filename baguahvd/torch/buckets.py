@@ -11,9 +11,10 @@ The protocol, per optimizer:
    cannot bucket (sparse gradients, non-contiguous or channels_last parameters, dtypes other
    than float16, bfloat16, float32 and float64) and those no member received a gradient for.
    One allreduce of flags and one broadcast, once. :func:`plan_buckets` then splits that
-   order by dtype and device into buckets of up to the engine's fusion threshold, and
-   before a gradient that the first member saw due well after the one before it; each of
-   the user's ``groups`` whose members can all be bucketed is a bucket of its own.
+   order by dtype and device into buckets of up to the engine's fusion threshold (a bucket
+   of a few kilobytes takes the next parameter past it), and before a gradient that the
+   first member saw due well after the one before it; each of the user's ``groups`` whose
+   members can all be bucketed is a bucket of its own.
 3. Each bucket owns one flat buffer, and each member's ``.grad`` becomes a view of it, so
    that autograd accumulates straight into the buffer. ``zero_grad()`` zeroes the buffers
    instead of dropping the views. A gradient found replaced when it becomes due (set to
@@ -77,6 +78,12 @@ first step, starts a new bucket (see :func:`plan_buckets`)."""
 BREAK_MIN_BYTES = 1 << 20
 """A late gradient starts a new bucket only once the bucket it would join holds this many
 bytes: enough to be worth a collective of its own."""
+SMALL_BUCKET_BYTES = 64 << 10
+"""A bucket holding fewer bytes than this (and than a sixteenth of the threshold) is not
+closed for size: it takes the next parameter past the threshold. Alone it would cost a
+collective of its own, about a millisecond of latency and negotiation even at 1 Gbit/s,
+where 64 KiB take half a millisecond on the link (a layer's bias that a late break left on
+its own took 4.6 ms, ``benchmarks/results/emulated_1gbit_0507906/NOTES.md``)."""
 
 
 def readiness_breaks(order: Sequence[str], times: Sequence[float]) -> list[str]:
@@ -97,20 +104,25 @@ def plan_buckets(
 ) -> list[list[str]]:
     """Splits ``order`` into buckets: consecutive parameters of one key (dtype and device)
     share a bucket while its bytes stay within ``threshold``; a parameter larger than
-    ``threshold`` has a bucket to itself, and so has every parameter when ``threshold`` is
-    0 or less. A parameter in ``breaks`` (due well after the one before it,
-    :func:`readiness_breaks`) starts a new bucket when the open one already holds
-    :data:`BREAK_MIN_BYTES`: a bucket is sent once its last gradient is due, so a small
-    gradient due late would hold back the large ones due early (a layer's bias, due with
-    the next layer's weight). Buckets are listed in the order of their first parameter."""
+    ``threshold`` has a bucket to itself (or shares a small one, below), and every
+    parameter has one when ``threshold`` is 0 or less.
+
+    A parameter in ``breaks`` (due well after the one before it, :func:`readiness_breaks`)
+    starts a new bucket when the open one already holds :data:`BREAK_MIN_BYTES`: a bucket
+    is sent once its last gradient is due, so a small gradient due late would hold back
+    the large ones due early (a layer's bias, due with the next layer's weight). A bucket
+    of fewer than :data:`SMALL_BUCKET_BYTES` and a sixteenth of ``threshold`` takes the
+    next parameter whatever its size (the bias that a break leaves on its own joins the
+    weight after it). Buckets are listed in the order of their first parameter."""
     buckets: list[list[str]] = []
     open_buckets: dict[Hashable, tuple[list[str], int]] = {}
     breaks = frozenset(breaks)
+    small = min(SMALL_BUCKET_BYTES, threshold // 16)
     for name in order:
         key, size = keys[name], sizes[name]
         current = open_buckets.get(key)
         if current is not None and (
-            current[1] + size > threshold
+            (current[1] + size > threshold and current[1] >= small)
             or (name in breaks and current[1] >= BREAK_MIN_BYTES)
         ):
             current = None

@@ -7,6 +7,7 @@ import torch
 from baguahvd.torch.buckets import (
     BREAK_GAP_S,
     BREAK_MIN_BYTES,
+    SMALL_BUCKET_BYTES,
     GradientBucket,
     adopt,
     bucket_name,
@@ -54,6 +55,30 @@ def test_a_gradient_due_late_starts_a_bucket_once_the_open_one_is_worth_sending(
     small = dict.fromkeys(order, 1_000)
     assert plan_buckets(order, keys, small, 10 * big, breaks) == [order]
     assert BREAK_GAP_S <= 0.007 - 0.0001
+
+
+def test_a_small_bucket_takes_the_next_parameter_past_the_threshold() -> None:
+    # The benchmark's MLP at a 10 MiB threshold: layer 2's bias, due late, starts a bucket
+    # that its 16 MiB weight would otherwise leave alone (one collective for 8 KB).
+    mib = 1 << 20
+    order = ["4.bias", "4.weight", "2.bias", "2.weight", "0.bias", "0.weight"]
+    keys = dict.fromkeys(order, "f32")
+    sizes = {"4.bias": 4_096, "4.weight": 8 * mib, "2.bias": 8_192, "2.weight": 16 * mib,
+             "0.bias": 8_192, "0.weight": 8 * mib}
+    assert plan_buckets(order, keys, sizes, 10 * mib, ["2.bias"]) == [
+        ["4.bias", "4.weight"], ["2.bias", "2.weight"], ["0.bias", "0.weight"],
+    ]
+    # Not past a bucket of SMALL_BUCKET_BYTES, nor one of a sixteenth of the threshold.
+    sizes["2.bias"] = SMALL_BUCKET_BYTES
+    assert plan_buckets(order, keys, sizes, 10 * mib, ["2.bias"]) == [
+        ["4.bias", "4.weight"], ["2.bias"], ["2.weight"], ["0.bias", "0.weight"],
+    ]
+    assert plan_buckets("abc", dict.fromkeys("abc", 0), {"a": 5, "b": 200, "c": 5}, 100) == [
+        ["a", "b"], ["c"],
+    ]
+    assert plan_buckets("abc", dict.fromkeys("abc", 0), {"a": 5, "b": 200, "c": 5}, 0) == [
+        ["a"], ["b"], ["c"],
+    ]
 
 
 def test_which_parameters_can_be_views() -> None:
