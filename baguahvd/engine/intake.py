@@ -1,7 +1,8 @@
 """Request intake: the queue between user threads and the engine thread.
 
 A user thread hands a described request (:mod:`~baguahvd.engine.submission`) to
-:meth:`RequestQueue.put`, its one call here; a name may be in flight once at a time. The
+:meth:`RequestQueue.put`, its one call here; a name may be in flight once at a time
+(unnamed requests are numbered in submission order, so theirs never clash). The
 engine thread takes the whole queue at the start of a cycle (:meth:`RequestQueue.take`). A
 placeholder (a collective that failed its local checks, see :mod:`~baguahvd.engine.messages`)
 holds its name like any request, but a request of the same name submitted meanwhile (the
@@ -21,6 +22,7 @@ import time
 from collections.abc import Callable
 
 from baguahvd.common.exceptions import DuplicateNameError
+from baguahvd.engine.messages import UNNAMED_PREFIX
 from baguahvd.engine.requests import Request
 
 # A burst of submissions is over once its thread has submitted nothing for this long ...
@@ -75,19 +77,24 @@ class RequestQueue:
             if error is not None:
                 raise error
             ident = request.ident
-            holder = self._inflight.get(ident)
-            # The common case inline: a name last held by a request that is done, with no
-            # retry waiting, is free (the new request replaces the old in _inflight).
-            if holder is not None and (self._retries or not holder.handle.done()):
-                holder = self._holder(ident)
+            if ident[1].startswith(UNNAMED_PREFIX):
+                # Numbered in submission order, so never a duplicate nor held again: not
+                # kept in _inflight.
+                self._queue.append(request)
+                self._last_arrival = time.perf_counter()
             else:
-                holder = None
-            if holder is not None:
-                if not holder.meta.failure or ident in self._retries or request.meta.failure:
-                    raise DuplicateNameError(request.meta.name)
-                self._retries[ident] = request
-                return
-            self._enqueue(request)
+                holder = self._inflight.get(ident)
+                # The common case inline: a name last held by a request that is done, with
+                # no retry waiting, is free (the new request replaces the old in _inflight).
+                if holder is not None and (self._retries or not holder.handle.done()):
+                    holder = self._holder(ident)
+                    if holder is not None:
+                        if (not holder.meta.failure or ident in self._retries
+                                or request.meta.failure):
+                            raise DuplicateNameError(request.meta.name)
+                        self._retries[ident] = request
+                        return
+                self._enqueue(request)
             queue = self._queue
         # The engine takes the whole queue at once: only the first request of a batch needs
         # to wake it (see let_burst_finish for the rest).

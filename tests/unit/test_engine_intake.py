@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
+from baguahvd.common.exceptions import DuplicateNameError
 from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, RequestMeta
 from baguahvd.engine.requests import Request
@@ -42,3 +45,18 @@ def test_a_blocking_request_wakes_the_engine_when_its_caller_waits() -> None:
     # Its caller waited: the burst is over and the cycle starts.
     assert queue.wake.is_set() and queue.flush.is_set()
     assert [r.meta.name for r in queue.take()] == ["allreduce.b"]
+
+
+def test_unnamed_requests_are_queued_without_holding_a_name() -> None:
+    # Their keys are numbered in submission order, so they can never clash: the intake
+    # keeps no record of them, while named requests still hold their names.
+    queue = RequestQueue()
+    for number in range(100):
+        key = f"noname.{number}"
+        request = Request(_meta(0)._replace(key=key, name=f"allreduce.{key}"), [], None)
+        queue.put(request, lambda: None)
+    queue.put(Request(_meta(0, name="allreduce.w"), [], None), lambda: None)
+    with pytest.raises(DuplicateNameError):
+        queue.put(Request(_meta(0, name="allreduce.w"), [], None), lambda: None)
+    assert list(queue._inflight) == [(0, "allreduce.w")]
+    assert len(queue.take()) == 101
