@@ -186,6 +186,15 @@ class Config:
     hosts changed, is persisted whatever its number. A failure resumes from the newest
     durable commit, so up to k commits' worth of steps are redone, and more when commits
     come faster than the background writes (one is written at a time, the newest next)."""
+    elastic_max_lag_s: float = 60.0
+    """How far, in seconds, the newest durable commit may fall behind before ``commit()``
+    waits for the write in flight (BAGUAHVD_ELASTIC_MAX_LAG_SECONDS; default 60). The
+    background writer runs at a low priority, so on steps that keep every core busy it
+    gets little CPU and its writes can take minutes; once the oldest commit asked to be
+    written has waited longer than this for itself or a newer one to become durable, a
+    commit waits until the write in flight ends (the step's CPU goes to the writer), so
+    a restart redoes about this much training at most, plus a write. 0 makes every commit
+    made during a write wait for it."""
     mpi_threads_disable: bool = False
     """Ask MPI for a serialized rather than a multi-threaded library
     (HOROVOD_MPI_THREADS_DISABLE)."""
@@ -326,6 +335,9 @@ class Config:
             elastic_persist_every=_as_count(
                 env, "ELASTIC_PERSIST_EVERY", cls.elastic_persist_every, horovod_alias=False,
                 minimum=1,
+            ),
+            elastic_max_lag_s=_as_number(
+                env, "ELASTIC_MAX_LAG_SECONDS", cls.elastic_max_lag_s, horovod_alias=False
             ),
             mpi_threads_disable=_as_bool(env, "MPI_THREADS_DISABLE"),
             disable_group_fusion=_as_bool(env, "DISABLE_GROUP_FUSION"),

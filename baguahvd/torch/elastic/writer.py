@@ -3,17 +3,17 @@ write, which runs on a background thread.
 
 The protocol, for the one :class:`CommitWriter` of a state on the first rank of a host:
 
-1. :meth:`CommitWriter.submit` runs in the training thread and never waits for a write. It
-   raises the failure of an earlier write, if one failed and was not reported yet. It
-   keeps the commit as the newest one: the payload's containers rebuilt around its tensors
-   as they are (a state's saved copy is a fresh deep copy at every save and is never
-   changed in place afterwards) and, for CUDA tensors, an event on each device's current
-   stream, after the copy that made them. A commit that is to be written, and that finds
-   no write in flight, starts one; one that finds a write in flight waits in memory, and a
-   newer commit replaces it there (it is superseded: never written, not even in part).
-   ``write=False`` keeps a commit in memory without asking for its write (for
-   ``BAGUAHVD_ELASTIC_PERSIST_EVERY``); such a commit still supersedes one that waits for
-   its write, and is written in its place.
+1. :meth:`CommitWriter.submit` runs in the training thread and, within the bound of 3,
+   waits for no write. It raises the failure of an earlier write, if one failed and was
+   not reported yet. It keeps the commit as the newest one: the payload's containers
+   rebuilt around its tensors as they are (a state's saved copy is a fresh deep copy at
+   every save and is never changed in place afterwards) and, for CUDA tensors, an event
+   on each device's current stream, after the copy that made them. A commit that is to
+   be written, and that finds no write in flight, starts one; one that finds a write in
+   flight waits in memory, and a newer commit replaces it there (it is superseded: never
+   written, not even in part). ``write=False`` keeps a commit in memory without asking
+   for its write (for ``BAGUAHVD_ELASTIC_PERSIST_EVERY``); such a commit still supersedes
+   one that waits for its write, and is written in its place.
 2. The write thread, at a low scheduling priority where the system has one (so that the
    training threads keep the cores), takes the newest commit that is to be written.
    It copies the CUDA tensors into pinned host buffers on a stream of its own, after the
@@ -26,11 +26,20 @@ The protocol, for the one :class:`CommitWriter` of a state on the first rank of 
    whatever the commits' rate, the newest durable commit is behind the newest one made by
    at most the one being written and the one waiting: about two write times (longer when
    every core is busy, as the thread's low priority lets training go first).
-3. A failed write is logged at once, at error level, and raised as
+3. The lag has a bound, ``max_lag_s`` (``BAGUAHVD_ELASTIC_MAX_LAG_SECONDS``): a commit that
+   finds a write in flight while the oldest commit asked to be written has waited longer
+   than that for itself or a newer one to become durable (it is "owed") waits, after
+   taking its place as the newest, until the write in flight ends. Training stops on this
+   rank meanwhile, which gives the writer the CPU that its low priority denies it on busy
+   cores (raising a thread's priority back takes privileges; waiting does not). The first
+   such wait is logged. So at every commit the newest durable commit is at most about
+   ``max_lag_s``, one step and one write (taken with the CPU free) old; a commit that
+   finds the owed commits within the bound never waits.
+4. A failed write is logged at once, at error level, and raised as
    :class:`CommitWriteError` by the next :meth:`~CommitWriter.submit`,
    :meth:`~CommitWriter.wait` or :meth:`~CommitWriter.flush`; a commit that was waiting
    behind it is dropped. The folder keeps the commits before it.
-4. :meth:`~CommitWriter.flush` asks for the write of the newest commit, if it was kept
+5. :meth:`~CommitWriter.flush` asks for the write of the newest commit, if it was kept
    in memory only, and waits until it is durable. The thread is not a daemon: a process
    that ends normally writes what it was asked to write first. A process killed during a
    write leaves the previous commit whole (the store renames the manifest last); the next
@@ -43,11 +52,14 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from baguahvd.common.config import Config
+from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.elastic.store import CheckpointStore
 
 logger = logging.getLogger(__name__)
@@ -157,19 +169,44 @@ class CommitWriter:
 
     Args:
         store: the elastic folder's store.
+        max_lag_s: how long a commit asked to be written may stay owed before commits wait
+            for the write in flight; None takes ``elastic_max_lag_s`` of the runtime's
+            configuration (``BAGUAHVD_ELASTIC_MAX_LAG_SECONDS``).
+        clock: the monotonic clock, in seconds, that the bound is measured with (tests
+            pass one that they step by hand).
     """
 
-    def __init__(self, store: CheckpointStore) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        *,
+        max_lag_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_lag_s is None:
+            max_lag_s = (runtime.config or Config()).elastic_max_lag_s
+        if max_lag_s < 0:
+            raise ValueError(f"max_lag_s={max_lag_s!r} must not be negative")
         self._store = store
         self._staging = HostStaging()
+        self._max_lag_s = max_lag_s
+        self._clock = clock
         self._lock = threading.Lock()
+        # Notified whenever a write ends, for the commits that the bound makes wait for it.
+        self._written = threading.Condition(self._lock)
         # The newest commit not yet taken by the write thread, and whether it is to be
         # written (False: kept in memory only, until flush() or a newer commit).
         self._newest: PendingCommit | None = None
         self._due = False
+        # The commit being written; when the oldest commit that its write makes durable
+        # was made, and the oldest of those owed that wait for a later write.
+        self._writing: PendingCommit | None = None
+        self._writing_owed: float | None = None
+        self._waiting_owed: float | None = None
         self._thread: threading.Thread | None = None
         self._failure: CommitWriteError | None = None
         self._durable = -1
+        self._lag_waits = 0
 
     @property
     def busy(self) -> bool:
@@ -182,22 +219,52 @@ class CommitWriter:
         """The newest commit this writer has made durable; -1 before the first."""
         return self._durable
 
+    @property
+    def lag_waits(self) -> int:
+        """How many commits waited for the write in flight because of the bound on the
+        lag (counted as each wait starts)."""
+        return self._lag_waits
+
     def submit(self, number: int, payload: Any, *, write: bool = True) -> None:
         """Keeps commit ``number`` as the newest, superseding (and taking the place of) one
         that waits for its write, and starts its write unless one is in flight (then it
         waits in memory) or ``write`` is False and it supersedes none (then it stays in
-        memory until :meth:`flush` or a newer commit is written). Does not wait for any
-        write.
+        memory until :meth:`flush` or a newer commit is written). Waits for no write,
+        unless the commits owed have waited longer than the bound: then it waits until the
+        write in flight ends.
 
         Raises:
             CommitWriteError: an earlier write failed (this commit is not kept); raised once.
         """
         self._raise_failure()
         commit = PendingCommit.take(number, payload)
+        now = self._clock()
         with self._lock:
+            in_flight = self._writing
             self._newest = commit
+            if write and self._waiting_owed is None:
+                self._waiting_owed = now
             self._due = self._due or write
+            lag = self._lag(now)
+            late = in_flight is not None and lag > self._max_lag_s
             self._start_if_due()
+            if late:
+                self._lag_waits += 1
+        if in_flight is None or not late:
+            return
+        if self._lag_waits == 1:
+            logger.warning(
+                "commit %d waits for the write of commit %d: commits asked to be written "
+                "have not become durable for %.0f s, more than "
+                "BAGUAHVD_ELASTIC_MAX_LAG_SECONDS=%g (the writer's low priority left it too "
+                "little CPU); a commit that finds the folder this far behind waits for the "
+                "write in flight (said once)",
+                number, in_flight.number, lag, self._max_lag_s,
+            )
+        with self._lock:
+            while self._writing is in_flight:
+                self._written.wait()
+        self._raise_failure()
 
     def wait(self) -> None:
         """Waits until every commit asked to be written (not one kept in memory only) is
@@ -217,9 +284,16 @@ class CommitWriter:
         waits for it (:meth:`wait`)."""
         with self._lock:
             if self._newest is not None:
+                if self._waiting_owed is None:
+                    self._waiting_owed = self._clock()
                 self._due = True
                 self._start_if_due()
         self.wait()
+
+    def _lag(self, now: float) -> float:
+        """How long the oldest commit owed has waited to become durable (0: none is owed)."""
+        owed = [t for t in (self._writing_owed, self._waiting_owed) if t is not None]
+        return now - min(owed) if owed else 0.0
 
     def _start_if_due(self) -> None:
         if self._thread is None and self._due and self._failure is None:
@@ -241,9 +315,12 @@ class CommitWriter:
                     self._thread = None
                     return
                 self._newest, self._due = None, False
+                self._writing, self._writing_owed = commit, self._waiting_owed
+                self._waiting_owed = None
             self._write(commit)
 
     def _write(self, commit: PendingCommit) -> None:
+        failure = None
         try:
             self._store.write(commit.number, self._staging.stage(commit))
         except Exception as error:  # noqa: BLE001 - reported by the next call
@@ -259,12 +336,15 @@ class CommitWriter:
             )
             failure.__cause__ = error
             logger.error("%s", failure)
-            with self._lock:
+        with self._lock:
+            if failure is None:
+                self._durable = commit.number
+            else:
                 self._failure = failure
                 if self._due:
-                    self._newest, self._due = None, False
-        else:
-            self._durable = commit.number
+                    self._newest, self._due, self._waiting_owed = None, False, None
+            self._writing, self._writing_owed = None, None
+            self._written.notify_all()
 
 
 def _lower_priority() -> None:
