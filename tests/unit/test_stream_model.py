@@ -213,7 +213,8 @@ def test_a_collective_on_the_users_stream_is_ordered_both_ways(
     rank, user = Rank(), model.stream("user")
     with model.active(), model.use(user):
         inputs = user_tensors(*shapes)
-        outputs = [torch.empty_like(t) for t in inputs] if op != OpType.ALLGATHER else None
+        # Zeros: the fake NCCL calls write no data, and scaling garbage may warn.
+        outputs = [torch.zeros_like(t) for t in inputs] if op != OpType.ALLGATHER else None
         if op in (OpType.REDUCESCATTER, OpType.ALLTOALL):
             outputs = None
         request = rank.submit(op, inputs, outputs)
