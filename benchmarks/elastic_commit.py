@@ -11,8 +11,8 @@ phase's last write counts in its last step, so a phase pays for all its writes):
 * ``none``: no commit;
 * ``memory``: ``commit()`` of a state built without an elastic folder: the in-memory copy
   and the host-change check, which is all that Horovod's ``commit()`` does;
-* ``two-half``: ``commit()`` with the folder: the in-memory copy, then the write (torch.save
-  hashed with SHA-256 as it is written, fsync, the manifest renamed) on a background
+* ``two-half``: ``commit()`` with the folder: the in-memory copy, then the write (the commit
+  container hashed with SHA-256 as it is written, fsync, the manifest renamed) on a background
   thread; a commit made during a write waits in memory, superseded by a newer one (rank 0
   also records, after each commit, how many commits the newest durable one is behind);
 * ``every-4th``: the same with ``BAGUAHVD_ELASTIC_PERSIST_EVERY=4`` (a state of its own,

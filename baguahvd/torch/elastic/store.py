@@ -1,12 +1,13 @@
 """The commit folder of an elastic job: verified commit files, the job id, the finished mark.
 
 Layout and formats are the contract of :mod:`baguahvd.common.elastic_protocol`: commit
-``n`` of a host is a payload ``commit-<n>.<host>.pt`` (``torch.save`` of tensors and plain
-values, read with ``weights_only=True``, so loading cannot run code) and its manifest
-``commit-<n>.<host>.json`` (format, job id, host, number, payload size and SHA-256), written
-after the payload is synced. :class:`CheckpointStore` writes and lists them, verifies each
-when it is loaded, falls back from a damaged commit to the one before, and ignores (with a
-warning naming them) files this job did not write.
+``n`` of a host is a payload ``commit-<n>.<host>.pt`` (tensors and plain values in the
+container of :mod:`.files`, or ``torch.save``'s for tensors the container does not hold;
+either is read by a loader that builds nothing else, so loading cannot run code) and its
+manifest ``commit-<n>.<host>.json`` (format, job id, host, number, payload size and
+SHA-256), written after the payload is synced. :class:`CheckpointStore` writes and lists
+them, verifies each when it is loaded, falls back from a damaged commit to the one before,
+and ignores (with a warning naming them) files this job did not write.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ from baguahvd.common import elastic_protocol as protocol
 from baguahvd.torch.elastic.files import (
     HashingSink,
     fsync_folder,
+    is_container,
+    pack,
     read_bytes,
     remove,
+    unpack,
     write_all,
 )
 
@@ -77,9 +81,12 @@ _PLAIN_CONTAINERS = (list, tuple, set, dict, collections.OrderedDict)
 class CheckpointStore:
     """The commits of one host in the elastic folder, and the folder's job records.
 
-    Commit ``n`` of a host is ``commit-<n>.<host>.pt``, a ``torch.save`` of tensors and
-    plain values that is read back with ``weights_only=True`` (so loading cannot run code),
-    and ``commit-<n>.<host>.json``, its manifest: format, job id, host, number, payload
+    Commit ``n`` of a host is ``commit-<n>.<host>.pt``, tensors and plain values in the
+    container of :mod:`.files` (their pickle, then the tensors' bytes raw), or a
+    ``torch.save`` where a tensor is not a dense CPU one; either is read back by a loader
+    that builds tensors and plain values only (``weights_only=True`` for ``torch.save``,
+    which also reads the commits of earlier versions), so loading cannot run code; and
+    ``commit-<n>.<host>.json``, its manifest: format, job id, host, number, payload
     size and SHA-256. Both are written under temporary names, fsynced, and renamed payload
     first, so the manifest makes a commit count only once its payload is durable. Loading
     checks the payload against its manifest (not reading it back after the write, which
@@ -404,6 +411,8 @@ class CheckpointStore:
             raise CommitError(f"commit manifest {manifest_path} is unreadable: {error}") from None
         _verify(payload_path, data, manifest.get("bytes"), manifest.get("sha256"))
         try:
+            if is_container(data):
+                return unpack(data)
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as error:  # noqa: BLE001 - anything the unpickler refuses
             raise CommitError(
@@ -421,13 +430,19 @@ class CheckpointStore:
         return temporary
 
     def _temporary_payload(self, payload: Any) -> tuple[str, int, str]:
-        """``torch.save`` of ``payload`` into a synced temporary file, hashed as it is
-        written (one pass over the bytes, no copy of them in memory): (path, size, SHA-256)."""
+        """``payload`` in a synced temporary file, hashed as it is written (one pass over
+        the bytes, no copy of them in memory): (path, size, SHA-256). In the container
+        where it holds every tensor, which computes nothing but the SHA-256 over the
+        tensors' bytes; else ``torch.save``, which also takes a CRC-32 of them."""
+        packed = pack(payload)
         descriptor, temporary = tempfile.mkstemp(prefix=self._temporary_prefix, dir=self.folder)
         sink = HashingSink(descriptor)
         try:
             try:
-                torch.save(payload, cast(IO[bytes], sink))  # it needs write() only
+                if packed is not None:
+                    packed.write_to(sink)
+                else:
+                    torch.save(payload, cast(IO[bytes], sink))  # it needs write() only
                 os.fsync(descriptor)
             finally:
                 os.close(descriptor)

@@ -18,14 +18,15 @@ The protocol, for the one :class:`CommitWriter` of a state on the first rank of 
    training threads keep the cores), takes the newest commit that is to be written.
    It copies the CUDA tensors into pinned host buffers on a stream of its own, after the
    commit's events (the buffers are reused from one write to the next: only this thread
-   touches them), then runs :meth:`CheckpointStore.write`: ``torch.save`` hashed with
-   SHA-256 as it is written, fsync, and only then the manifest renamed into place, so a
-   commit counts once it is durable and not before (loading checks it against the
-   manifest). When it has finished, it takes the newest commit that came in meanwhile, if
-   one is to be written, and ends when there is none. So one write runs at a time, and
-   whatever the commits' rate, the newest durable commit is behind the newest one made by
-   at most the one being written and the one waiting: about two write times (longer when
-   every core is busy, as the thread's low priority lets training go first).
+   touches them), then runs :meth:`CheckpointStore.write`: the payload in the commit
+   container, hashed with SHA-256 as it is written, fsync, and only then the manifest
+   renamed into place, so a commit counts once it is durable and not before (loading
+   checks it against the manifest). When it has finished, it takes the newest commit
+   that came in meanwhile, if one is to be written, and ends when there is none. So one
+   write runs at a time, and whatever the commits' rate, the newest durable commit is
+   behind the newest one made by at most the one being written and the one waiting:
+   about two write times (longer when every core is busy, as the thread's low priority
+   lets training go first).
 3. The lag has a bound, ``max_lag_s`` (``BAGUAHVD_ELASTIC_MAX_LAG_SECONDS``): a commit that
    finds a write in flight while the oldest commit asked to be written has waited longer
    than that for itself or a newer one to become durable (it is "owed") waits, after
