@@ -76,6 +76,7 @@ def main() -> None:
     torch.set_num_threads(1)
     folder = tempfile.mkdtemp(prefix="commit-affinity-") if hvd.rank() == 0 else None
     folder = comm.bcast(folder, root=0)
+    assert runtime.config is not None
     runtime.config = dataclasses.replace(runtime.config, elastic_dir=folder)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
                                 torch.nn.Linear(4096, 4096), torch.nn.ReLU(),
@@ -110,7 +111,6 @@ def main() -> None:
             for index in range(args.steps):
                 start, start_cpu = time.perf_counter(), time.thread_time()
                 step()
-                state.step += 1
                 if phase != "none":
                     state.commit()
                     _pin_writer(pins[phase])
