@@ -46,6 +46,29 @@ def byte_counts(tensor: torch.Tensor, counts: Sequence[int]) -> list[int]:
     return [count * item for count in counts]
 
 
+class Started(abc.ABC):
+    """A collective started without waiting (:meth:`Communicator.start_allreduce`)."""
+
+    @abc.abstractmethod
+    def test(self) -> bool:
+        """Whether it has completed, its output then in place; never blocks. Raises its
+        error once it failed."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Returns once it has completed; raises its error."""
+
+
+class Finished(Started):
+    """A collective that ran to its end in the call that started it."""
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
 class Communicator(abc.ABC):
     """Collectives over a fixed group of ranks."""
 
@@ -56,6 +79,11 @@ class Communicator(abc.ABC):
     unfused_bytes: int | None = None
     """Tensors of at least this many bytes are cheaper reduced in a call of their own than
     copied in and out of the fusion buffer (the engine's default; None: always fused)."""
+    launches_allreduce: bool = False
+    """Whether :meth:`start_allreduce` hands the reduction to threads of the transport,
+    which carry it through while the caller goes on (gloo's): the engine then starts the
+    next units while it runs. Not MPI's non-blocking collectives, which progress only inside
+    the caller's MPI calls."""
 
     @abc.abstractmethod
     def allreduce(self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp) -> None:
@@ -65,6 +93,15 @@ class Communicator(abc.ABC):
         (otherwise the engine builds AVERAGE on SUM, and ADASUM always).
         ``tensor_in`` may be ``tensor_out`` for an in-place reduction.
         """
+
+    def start_allreduce(
+        self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp
+    ) -> Started:
+        """:meth:`allreduce`, started without waiting where :attr:`launches_allreduce` says
+        so: both tensors stay untouched until the returned :class:`Started` has completed.
+        The default runs it in the call."""
+        self.allreduce(tensor_in, tensor_out, op)
+        return Finished()
 
     def reduces_average(self, dtype: torch.dtype) -> bool:
         """Whether :meth:`allreduce` takes AVERAGE for tensors of ``dtype``: the sum divided

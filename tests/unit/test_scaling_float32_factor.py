@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from baguahvd.engine.execution import execute
+from baguahvd.engine.execution import scaling
 
 
 def _oracle(tensor: torch.Tensor, factor: float) -> torch.Tensor:
@@ -29,14 +29,14 @@ def _values() -> torch.Tensor:
 
 @pytest.mark.parametrize("factor", [0.5, 0.25, 0.125, 1.0 / 1024, 2.0, 3.0, 0.75, 2.0**-140])
 def test_float32_factors_scale_as_the_float64_oracle(factor: float) -> None:
-    assert execute.exact_in_float32(factor)
+    assert scaling.exact_in_float32(factor)
     tensor = _values()
     expected = _oracle(tensor, factor)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        execute.scale_(tensor, factor)
+        scaling.scale_(tensor, factor)
     torch.testing.assert_close(tensor, expected, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("factor", [1.0 / 3, 0.1, 1e300, 1e-300, float("nan")])
 def test_other_factors_are_not_float32_numbers(factor: float) -> None:
-    assert not execute.exact_in_float32(factor)
+    assert not scaling.exact_in_float32(factor)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from baguahvd.backends.base import Communicator, byte_counts
+from baguahvd.backends.base import Communicator, Started, byte_counts
 from baguahvd.common.ops import ReduceOp
 
 _GLOO_OPS: dict[ReduceOp, Any] = {
@@ -124,6 +124,10 @@ class GlooCommunicator(Communicator):
     """A call costs about a millisecond even on one machine, so only large tensors gain
     from a call of their own: at 8 MiB a tensor alone beats the copies through the fusion
     buffer, at 2 MiB fusing still wins (``benchmarks/results/shared_memory/NOTES.md``)."""
+
+    launches_allreduce = True
+    """The group's worker threads run its collectives: :meth:`start_allreduce` returns at
+    once, and the reductions started go out on the wire back to back, in the order started."""
 
     def __init__(
         self, group: Any, store: Any = None, failed: threading.Event | None = None
@@ -241,6 +245,11 @@ class GlooCommunicator(Communicator):
             work, (wide,), lambda: _flat(tensor_out).copy_(wide), failed=self.failed
         )
 
+    def start_allreduce(
+        self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp
+    ) -> PendingWork:
+        return self.iallreduce(tensor_in, tensor_out, op)
+
     def ibarrier(self) -> PendingWork:
         """Starts :meth:`barrier` without waiting."""
         return PendingWork(self.group.barrier(), (), failed=self.failed)
@@ -255,9 +264,9 @@ def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-class PendingWork:
+class PendingWork(Started):
     """A started gloo collective, polled with :meth:`test` (the MPI backend's
-    ``PendingRequest`` contract)."""
+    ``PendingRequest`` contract) or waited for with :meth:`wait`."""
 
     def __init__(
         self,
@@ -275,10 +284,16 @@ class PendingWork:
     def test(self) -> bool:
         """Whether the collective has completed (its output is then in place)."""
         if not self._done and self._work.is_completed():
-            wait(self._work, self._failed)  # raises the collective's error, if any
-            self._done = True
-            if self._finish is not None:
-                self._finish()
-            self._keep_alive = ()
+            self.wait()
         return self._done
+
+    def wait(self) -> None:
+        """Returns once the collective has completed (gloo's wait releases the GIL)."""
+        if self._done:
+            return
+        wait(self._work, self._failed)  # raises the collective's error, if any
+        self._done = True
+        if self._finish is not None:
+            self._finish()
+        self._keep_alive = ()
 

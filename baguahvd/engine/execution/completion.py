@@ -1,8 +1,10 @@
-"""Completion of device units: the units the engine launched on a device communicator's
-stream and whose handles wait for the device.
+"""Completion of the units the engine launched without waiting for them: device units, on
+a device communicator's stream, and host units, whose allreduces run on the threads of
+their transport (gloo's, see :attr:`~baguahvd.backends.base.Communicator.launches_allreduce`).
 
 A device communicator launches a unit without waiting for it (see
-:meth:`baguahvd.backends.nccl.NCCLCommunicator.ordered`); the dispatcher then adds the unit
+:meth:`baguahvd.backends.nccl.NCCLCommunicator.ordered`), a host transport starts its
+allreduces (:class:`HostUnits` speaks for it here); the dispatcher then adds the unit
 here with what completes its handles. The engine thread polls the units between and during
 its cycles (:meth:`Completions.wait` replaces its sleep), so it negotiates and launches the
 next units while earlier ones still communicate. The protocol:
@@ -31,7 +33,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from baguahvd.backends.base import Started
 from baguahvd.common.exceptions import HorovodInternalError
+from baguahvd.engine.buffers import FusionBuffers, FusionPool
 from baguahvd.engine.clock import SYSTEM_CLOCK, Clock
 from baguahvd.engine.requests import Entry, Request
 from baguahvd.engine.timeline import Timeline
@@ -84,6 +88,51 @@ class CollectiveFailure(Exception):
         self.error = error
 
 
+class HostLaunched(NamedTuple):
+    """A host unit's allreduces, started on their transport's threads (none once the rest
+    of the unit has run)."""
+
+    started: tuple[Started, ...] = ()
+
+
+class HostUnits:
+    """The communicator of host units, as :class:`Completions` sees it: a unit has finished
+    once each of its allreduces has completed, and fails with the first one that failed.
+    Their fusion buffers come from :attr:`buffers`, one set per unit in flight."""
+
+    def __init__(self) -> None:
+        self.buffers = FusionPool()
+
+    def then(
+        self, rest: Callable[[], None] | None, buffers: FusionBuffers
+    ) -> Callable[[], HostLaunched]:
+        """The second part of a host unit: ``rest`` (the scaling after, the copy out), then
+        its fusion buffers go back."""
+
+        def run_rest() -> HostLaunched:
+            if rest is not None:
+                rest()
+            self.buffers.give_back(buffers)
+            return HostLaunched()
+
+        return run_rest
+
+    def finished(self, launched: HostLaunched) -> bool:
+        return all(started.test() for started in launched.started)
+
+    def wait(self, launched: HostLaunched) -> None:
+        for started in launched.started:
+            started.wait()
+
+    def check_succeeded(self, launched: HostLaunched) -> None:
+        """Nothing left to check: an allreduce that failed raised in :meth:`finished`."""
+
+    def abort(self, reason: str) -> None:
+        """Nothing to abort: an allreduce whose peers are gone ends with an error of its own
+        (its connections close, or the group's timeout passes), as one that the engine
+        thread waited in would."""
+
+
 class _Pending(NamedTuple):
     comm: Any
     """The device communicator: ``finished(launched)``, ``wait(launched)``, ``abort()``
@@ -107,6 +156,8 @@ class Completions:
     def __init__(self, timeline: Timeline | None = None) -> None:
         self._units: list[_Pending] = []
         self.timeline = timeline
+        self.host = HostUnits()
+        """What completes host units, and their fusion buffers."""
 
     def __len__(self) -> int:
         return len(self._units)
@@ -118,6 +169,15 @@ class Completions:
         """Adds a launched unit, the outcomes its handles get once it has finished and, for
         a unit in two parts, what launches the second (see module docstring)."""
         self._units.append(_Pending(comm, launched, unit, outcomes, then))
+
+    def complete(self, unit: list[Entry], outcomes: list[Outcome]) -> None:
+        """Completes the handles of a unit that ran in the call: at once, or, while units
+        launched before it still run, after them (a barrier returns once the allreduces
+        before it are done)."""
+        if self._units:
+            self._units.append(_Pending(self.host, HostLaunched(), unit, outcomes, None))
+        else:
+            deliver(outcomes, self.timeline)
 
     def requests(self) -> list[Request]:
         """The requests of the units not completed yet."""

@@ -7,7 +7,7 @@ collective by the factory the engine was given: every member runs the agreed uni
 same order, so all of them make it in the same one). The tensor arithmetic lives in
 :mod:`~baguahvd.engine.execution.execute`; process-set changes go to the registry the
 dispatcher was given. Every request's outcome (:class:`~baguahvd.engine.requests.Outcome`)
-is delivered to its handle here, or, for a device unit, by
+is delivered to its handle here, or, for a unit launched without waiting, by
 :mod:`~baguahvd.engine.execution.completion`.
 
 Device units run inside their communicator's ``ordered`` scope (see
@@ -15,7 +15,10 @@ Device units run inside their communicator's ``ordered`` scope (see
 the communicator's stream. They are launched, not waited for: their handles complete in
 :mod:`~baguahvd.engine.execution.completion` once the unit's completion event has fired, while the
 engine goes on with the next units. A member that joined contributes zeros on the device its
-submissions used.
+submissions used. Allreduces of CPU tensors on a transport whose own threads carry them
+(:attr:`~baguahvd.backends.base.Communicator.launches_allreduce`: gloo's) are started too,
+not waited for: every rank starts the next units in the agreed order while they run, back
+to back on the wire; their scaling after, copy out and handles wait for their completion.
 
 The engine thread and user threads (single-member sets run on the submitting thread) use
 the dispatcher at the same time, so what one call works with is passed down with it (its
@@ -39,13 +42,14 @@ from collections.abc import Callable
 import torch
 
 from baguahvd.backends import cuda_support, nccl
-from baguahvd.backends.base import Communicator, DeviceCommFactory, SelfCommunicator
+from baguahvd.backends.base import Communicator, DeviceCommFactory, SelfCommunicator, Started
 from baguahvd.common.exceptions import HorovodInternalError, MismatchError
 from baguahvd.engine.buffers import ByteCount, FusionBuffers, FusionPool
 from baguahvd.engine.execution import execute
 from baguahvd.engine.execution.completion import (
     CollectiveFailure,
     Completions,
+    HostLaunched,
     Outcome,
     deliver,
     keep_named,
@@ -61,16 +65,19 @@ logger = logging.getLogger("baguahvd.engine")
 class _Run:
     """What one call that runs a unit works with, passed down instead of kept on the
     dispatcher (whose engine thread and user threads run units at the same time): the unit's
-    fusion buffers, whether it is a device unit launched without waiting (``split``: then
-    what writes its outputs once its communication has finished without error is left in
-    ``rest``, see :func:`~baguahvd.engine.execution.execute.allreduce`)."""
+    fusion buffers, whether it is launched without waiting (``split``: then what writes its
+    outputs once its communication has finished without error is left in ``rest``, see
+    :func:`~baguahvd.engine.execution.execute.allreduce`; a host unit's allreduces started
+    are listed in ``started``)."""
 
-    __slots__ = ("buffers", "split", "rest")
+    __slots__ = ("buffers", "split", "rest", "started")
 
-    def __init__(self, buffers: FusionBuffers, split: bool = False) -> None:
+    def __init__(self, buffers: FusionBuffers, split: bool = False,
+                 started: list[Started] | None = None) -> None:
         self.buffers = buffers
         self.split = split
         self.rest: Callable[[], None] | None = None
+        self.started = started
 
 
 class Dispatcher:
@@ -122,21 +129,20 @@ class Dispatcher:
         """Where this rank's user threads submit from (read only here: where the zeros of a
         member that joined go)."""
         self.pending = Completions(timeline)
-        """Device units launched and not completed yet."""
+        """Units launched and not completed yet."""
         self.fusion_bytes = ByteCount()
         """Bytes copied into and out of fusion buffers, by every thread that runs units."""
         self._alone = threading.local()
         """Per user thread: the fusion buffers of the single-member collectives it runs."""
         self.capture_relaxed = False
         """Whether the engine thread is in CUDA's relaxed stream-capture mode
-        (:func:`~baguahvd.backends.cuda_support.relax_capture_mode`), in which its CUDA
-        calls (the polls of launched units' events) leave the users' graph captures alone.
-        It switches before its first device unit, its first CUDA call (the process may not
-        have initialized CUDA when the engine thread started)."""
+        (:func:`~baguahvd.backends.cuda_support.relax_capture_mode`), in which its polls of
+        launched units' events leave the users' graph captures alone; it switches before its
+        first device unit, its first CUDA call (CUDA may not be initialized before)."""
 
     def run_unit(self, unit: list[Entry]) -> None:
         """Runs one agreed unit on this rank (engine thread); raises what it raised. Its
-        handles complete once it has run, or, for a device unit, in :attr:`pending`."""
+        handles complete once it has run, in the agreed order (see :attr:`pending`)."""
         response = unit[0][0]
         state = self.process_sets.get(response.meta.process_set_id)
         if state is None or state.comm is None:
@@ -148,7 +154,19 @@ class Dispatcher:
                 unit, self.device_comm(state, state.comm), state.device_buffers
             )
             return
-        deliver(self.execute(unit, state.comm, _Run(self.buffers)), self.timeline)
+        if response.meta.op == OpType.ALLREDUCE and state.comm.launches_allreduce:
+            self.launch_host(unit, state.comm)
+            return
+        self.pending.complete(unit, self.execute(unit, state.comm, _Run(self.buffers)))
+
+    def launch_host(self, unit: list[Entry], comm: Communicator) -> None:
+        """Starts an allreduce unit on ``comm``'s own threads (module docstring); the rest
+        of it runs, and its handles complete, in :attr:`pending`."""
+        host, started = self.pending.host, list[Started]()
+        run = _Run(host.buffers.take(), split=True, started=started)
+        outcomes = self.execute(unit, comm, run)
+        then = host.then(run.rest, run.buffers)
+        self.pending.add(host, HostLaunched(tuple(started)), unit, outcomes, then)
 
     def execute_ordered(
         self, unit: list[Entry], comm: Communicator, pool: FusionPool,
@@ -258,9 +276,8 @@ class Dispatcher:
 
     def _thread_run(self) -> _Run:
         """A :class:`_Run` for a single-member collective that runs at once in the calling
-        user thread, with fusion buffers of that thread's own, which no other thread uses.
-        (Those that go through a one-rank NCCL communicator take buffers from its pool, as
-        the engine's device units do.)"""
+        user thread, with fusion buffers of that thread's own (those that go through a
+        one-rank NCCL communicator take buffers from its pool, as device units do)."""
         buffers: FusionBuffers | None = getattr(self._alone, "buffers", None)
         if buffers is None:
             buffers = self._alone.buffers = FusionBuffers()
@@ -347,7 +364,7 @@ class Dispatcher:
         if op == OpType.ALLREDUCE:
             run.rest = execute.allreduce(
                 comm, unit, run.buffers, phase, self.submissions.user_device, split=run.split,
-                copied=self.fusion_bytes,
+                copied=self.fusion_bytes, started=run.started,
             )
             return [Outcome(request, request.outputs) for request in requests]
         if op == OpType.BARRIER:

@@ -11,70 +11,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
-from baguahvd.backends.base import Communicator
+from baguahvd.backends.base import Communicator, Started
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.buffers import ByteCount, FusionBuffers
+from baguahvd.engine.execution.scaling import scale_, scaled
 from baguahvd.engine.messages import DTYPES, Response
 from baguahvd.engine.requests import Entry, Request
 
 
 def numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
-
-
-def scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
-    """``tensor * factor`` as Horovod computes it, as a new tensor of the same dtype: in
-    float64 and rounded once to the dtype (integers truncated toward zero)."""
-    wide = tensor.to(torch.float64) * factor
-    if tensor.dtype == torch.float64:
-        return wide
-    if tensor.is_floating_point():
-        return wide.to(tensor.dtype)
-    return torch.trunc(wide).to(tensor.dtype)
-
-
-_SCALE_CHUNK = 1 << 16
-"""Elements scaled at a time by :func:`scale_` (a 512 KiB float64 temporary)."""
-
-
-def exact_in_float32(factor: float) -> bool:
-    """Whether ``factor`` is a float32 number (``1/size`` for a power-of-two size is)."""
-    with np.errstate(over="ignore"):
-        return float(np.float32(factor)) == factor
-
-
-def scale_(tensor: torch.Tensor, factor: float) -> None:
-    """Scales ``tensor`` in place as :func:`scaled` computes it. Horovod multiplies every
-    element by the factor in double precision and rounds once: a multiplication in the
-    tensor's own precision rounds the factor first (``1/3`` as a float32), which makes
-    Average differ from Horovod's in the last bit at sizes that are not powers of two."""
-    if factor == 1.0:
-        return
-    if tensor.dtype == torch.float64:
-        tensor.mul_(factor)
-        return
-    if tensor.dtype == torch.float32 and not tensor.is_cuda and tensor.is_contiguous():
-        array = tensor.detach().view(-1).numpy()
-        if exact_in_float32(factor):
-            # The product of two float32 numbers is exact in float64, so one float32
-            # multiplication rounds as Horovod's does: about ten times faster than the
-            # casting loop (3 ms for a 16 MiB gradient bucket at 1/2).
-            np.multiply(array, np.float32(factor), out=array)
-            return
-        # NumPy runs the float64 loop over buffered chunks of the float32 array in place:
-        # about twice as fast as converting through torch.
-        np.multiply(array, np.float64(factor), out=array, casting="unsafe")
-        return
-    if not tensor.is_contiguous():
-        tensor.copy_(scaled(tensor, factor))
-        return
-    flat = tensor.view(-1)
-    for start in range(0, flat.numel(), _SCALE_CHUNK):
-        part = flat[start : start + _SCALE_CHUNK]
-        part.copy_(scaled(part, factor))
 
 
 def _factors(response: Response, comm: Communicator) -> tuple[ReduceOp, float, float]:
@@ -132,6 +80,7 @@ def allreduce(
     user_device: torch.device | None = None,
     split: bool = False,
     copied: ByteCount | None = None,
+    started: list[Started] | None = None,
 ) -> Callable[[], None] | None:
     """Allreduces every tensor of ``entries`` (same dtype, op and factors) in one call.
 
@@ -143,7 +92,9 @@ def allreduce(
     results (the scaling after it, the copy out of the fusion buffer), is returned for the
     caller to run once the communication has finished without error; None when nothing is
     left (an unfused tensor without a postscale, which the communication writes itself).
-    Without ``split`` everything runs here and None is returned.
+    Without ``split`` everything runs here and None is returned. ``started`` (with
+    ``split``: a host unit launched without waiting) collects the reductions started with
+    :meth:`~Communicator.start_allreduce`; the rest waits until all have completed.
 
     ``copied`` counts the bytes copied into and out of the fusion buffer. An allreduce
     submitted with ``fuse=False`` (a unit of its own) reduces each of its tensors in place,
@@ -185,7 +136,9 @@ def allreduce(
         rests = [
             rest
             for tensor_in, tensor_out in zip(inputs, outputs)
-            if (rest := _allreduce_alone(comm, tensor_in, tensor_out, op, pre, post, split))
+            if (rest := _allreduce_alone(
+                comm, tensor_in, tensor_out, op, pre, post, split, started
+            ))
         ]
         if len(rests) < 2:
             return rests[0] if rests else None
@@ -207,7 +160,7 @@ def allreduce(
     scale_(buffer, pre)
     phase("COMMUNICATE")
     if split:
-        comm.allreduce(buffer, buffer, op)
+        _start(comm, buffer, buffer, op, started)
         return lambda: _scale_and_copy_out(buffer, views, outputs, post, phase, copied)
     _reduce_scaled(comm, buffer, buffer, op, post)
     phase("MEMCPY_OUT_FUSION_BUFFER")
@@ -219,16 +172,28 @@ def allreduce(
 
 def _allreduce_alone(
     comm: Communicator, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp,
-    pre: float, post: float, split: bool,
+    pre: float, post: float, split: bool, started: list[Started] | None,
 ) -> Callable[[], None] | None:
     """One tensor's allreduce without the fusion buffer; with ``split``, returns the
     scaling after it where there is one (see :func:`allreduce`)."""
     source = scaled(tensor_in, pre) if pre != 1.0 else tensor_in
-    if split and post != 1.0:
-        comm.allreduce(source, tensor_out, op)
-        return lambda: scale_(tensor_out, post)
+    if split:
+        _start(comm, source, tensor_out, op, started)
+        return (lambda: scale_(tensor_out, post)) if post != 1.0 else None
     _reduce_scaled(comm, source, tensor_out, op, post)
     return None
+
+
+def _start(
+    comm: Communicator, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp,
+    started: list[Started] | None,
+) -> None:
+    """The communication of a split allreduce: queued on a device communicator's stream,
+    or started on a host transport's threads and listed in ``started``."""
+    if started is None:
+        comm.allreduce(tensor_in, tensor_out, op)
+    else:
+        started.append(comm.start_allreduce(tensor_in, tensor_out, op))
 
 
 def _scale_and_copy_out(
