@@ -256,7 +256,7 @@ class CommitWriter:
         if self._lag_waits == 1:
             logger.warning(
                 "commit %d waits for the write of commit %d: commits asked to be written "
-                "have not become durable for %.0f s, more than "
+                "have not become durable for %.1f s, more than "
                 "BAGUAHVD_ELASTIC_MAX_LAG_SECONDS=%g (the writer's low priority left it too "
                 "little CPU); a commit that finds the folder this far behind waits for the "
                 "write in flight (said once)",
