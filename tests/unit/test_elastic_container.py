@@ -69,6 +69,15 @@ def test_tensors_and_plain_values_round_trip_in_the_container(tmp_path: pathlib.
     assert loaded["view"][0, 0] == 4.0 and loaded["transposed"][0, 0] == 100.0
 
 
+def test_a_tensor_met_twice_loads_as_one_object(tmp_path: pathlib.Path) -> None:
+    tied = torch.arange(6.0)
+    store = CheckpointStore(str(tmp_path), host="node-a")
+    store.write(1, {"encoder": tied, "decoder": tied, "other": tied.clone()})
+    loaded = store.read(1)
+    assert loaded["encoder"] is loaded["decoder"] and loaded["other"] is not loaded["encoder"]
+    assert torch.equal(loaded["decoder"], tied) and torch.equal(loaded["other"], tied)
+
+
 def test_an_optimizer_state_resumes_from_the_container(tmp_path: pathlib.Path) -> None:
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.Adam(model.parameters())
@@ -167,10 +176,11 @@ def _crafted(value: Any, tail: bytes) -> bytes:
         (_crafted({"w": _Id(_tensor_id(1, 8, (2,), (1,), 0))}, bytes(8)), "out of order"),
         (_crafted({"w": _Id(("tensor", 0, 8, "Tensor", (2,), (1,), 0, False, False))},
                   bytes(8)), "unknown persistent id"),
+        (_crafted({"w": _Id(("again", 0))}, b""), "unknown persistent id"),
         (_container(b"\x80\x04junk"), None),
     ],
     ids=["class", "too-small", "trailing-bytes", "storage-past-end", "out-of-order",
-         "not-a-dtype", "junk"],
+         "not-a-dtype", "again-before-first", "junk"],
 )
 def test_a_container_with_more_than_tensors_and_plain_values_is_refused(
     tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture, data: bytes, reason: str | None

@@ -97,7 +97,8 @@ def remove(path: str) -> None:
 # A commit's payload as: CONTAINER_MAGIC, the length of a pickle (8 bytes, little-endian),
 # the pickle (protocol 4) of the payload with every tensor replaced by a persistent id that
 # describes it (storage number and size, dtype, shape, strides, offset, requires_grad,
-# parameter or not), then the bytes of every storage, raw, in the order of their numbers.
+# parameter or not; a tensor met again, by the index of its first appearance), then the
+# bytes of every storage, raw, in the order of their numbers.
 # Written through a HashingSink, every byte is covered by the SHA-256 of the manifest, and
 # nothing else is computed over them: torch.save's zip records also take a CRC-32 of every
 # byte (with the GIL held), which the SHA-256 makes redundant here. Loading builds only
@@ -156,12 +157,19 @@ class _Pickler(pickle.Pickler):
         super().__init__(buffer, protocol=_PROTOCOL)
         self.storages: list[torch.UntypedStorage] = []
         self._numbers: dict[tuple[int, int], int] = {}
+        # A tensor met again (tied weights) is named by its first appearance, so that it
+        # loads as the same object; the payload keeps every tensor alive meanwhile.
+        self._tensors: dict[int, int] = {}
 
     def persistent_id(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return None
         if not _packable(value):
             raise _Unpackable
+        seen = self._tensors.get(id(value))
+        if seen is not None:
+            return ("again", seen)
+        self._tensors[id(value)] = len(self._tensors)
         storage = value.untyped_storage()
         number = self._numbers.setdefault(
             (storage.data_ptr(), storage.nbytes()), len(self.storages)
@@ -230,6 +238,7 @@ class _Unpickler(pickle.Unpickler):
         self._view = view
         self.position = end
         self._storages: list[torch.UntypedStorage] = []
+        self._tensors: list[torch.Tensor] = []
 
     def find_class(self, module: str, name: str) -> Any:
         found = _GLOBALS.get((module, name))
@@ -241,6 +250,11 @@ class _Unpickler(pickle.Unpickler):
         return found
 
     def persistent_load(self, pid: Any) -> torch.Tensor:
+        if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "again":
+            index = pid[1]
+            if type(index) is not int or not 0 <= index < len(self._tensors):
+                raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+            return self._tensors[index]
         try:
             kind, number, nbytes, dtype_name, shape, stride, offset, grad, parameter = pid
         except (TypeError, ValueError):
@@ -256,8 +270,11 @@ class _Unpickler(pickle.Unpickler):
             )
         tensor = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
         if parameter:
-            return torch.nn.Parameter(tensor, requires_grad=bool(grad))
-        return tensor.requires_grad_(bool(grad))
+            tensor = torch.nn.Parameter(tensor, requires_grad=bool(grad))
+        else:
+            tensor.requires_grad_(bool(grad))
+        self._tensors.append(tensor)
+        return tensor
 
     def _storage(self, number: Any, nbytes: Any) -> torch.UntypedStorage:
         if number == len(self._storages) and type(nbytes) is int and nbytes >= 0:
