@@ -113,8 +113,7 @@ def test_an_unfused_allreduce_is_started_and_scaled_once_it_has_completed() -> N
     assert not request.handle.done()
     reduction.finish()
     assert request.outputs[0].tolist() == [2.0, 4.0, 6.0]  # type: ignore[index]
-    dispatcher.pending.poll()  # the scaling after it
-    dispatcher.pending.poll()  # the unit completes
+    dispatcher.pending.poll()  # the scaling after it, and the unit completes
     assert _result(request) == [[1.0, 2.0, 3.0]]
     assert len(dispatcher.pending) == 0
 

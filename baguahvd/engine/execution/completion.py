@@ -209,7 +209,9 @@ class Completions:
             elif pending.then is not None:
                 units[index] = self._go_on(pending)
                 launched = True
-                index += 1
+                if index > 0:
+                    index += 1
+                # The head is looked at again: a host unit's rest has run in the call.
             else:
                 self._complete()
         return launched
