@@ -213,6 +213,36 @@ def test_a_failed_write_ends_the_wait_and_is_raised(tmp_path: pathlib.Path) -> N
     assert "commit 1" in str(raised[0]) and not writer.busy
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_write_ended_by_what_ends_the_thread_ends_the_wait(tmp_path: pathlib.Path) -> None:
+    class _Stop(BaseException):
+        pass
+
+    class _Stopping(_HeldStore):
+        def write(self, number: int, payload: Any) -> str:
+            super().write(number, payload)
+            raise _Stop
+
+    clock = _Clock()
+    store = _Stopping(str(tmp_path))
+    writer = CommitWriter(store, max_lag_s=BOUND_S, clock=clock)
+    writer.submit(1, {"n": 1})
+    _settle(writer, store)
+    clock.now = 61.0
+    call = threading.Thread(target=writer.submit, args=(2, {"n": 2}))
+    call.start()
+    deadline = time.monotonic() + WAIT_S
+    while writer.lag_waits == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.0005)
+    store.permits.release()
+    call.join(WAIT_S)  # returns once the write of 1 is over, though it is not durable
+    assert not call.is_alive() and writer.durable == -1
+    for thread in threading.enumerate():  # its end is this test's
+        if thread.name == "baguahvd-commit-writer":
+            thread.join(WAIT_S)
+
+
 def test_the_bound_is_a_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
     assert Config.from_env({}).elastic_max_lag_s == 60.0
     config = Config.from_env({"BAGUAHVD_ELASTIC_MAX_LAG_SECONDS": "2.5"})

@@ -34,7 +34,7 @@ The protocol, for the one :class:`CommitWriter` of a state on the first rank of 
    rank meanwhile, which gives the writer the CPU that its low priority denies it on busy
    cores (raising a thread's priority back takes privileges; waiting does not). The first
    such wait is logged. So at every commit the newest durable commit is at most about
-   ``max_lag_s``, one step and one write (taken with the CPU free) old; a commit that
+   ``max_lag_s``, two steps and one write (taken with the CPU free) old; a commit that
    finds the owed commits within the bound never waits.
 4. A failed write is logged at once, at error level, and raised as
    :class:`CommitWriteError` by the next :meth:`~CommitWriter.submit`,
@@ -321,9 +321,10 @@ class CommitWriter:
             self._write(commit)
 
     def _write(self, commit: PendingCommit) -> None:
-        failure = None
+        written, failure = False, None
         try:
             self._store.write(commit.number, self._staging.stage(commit))
+            written = True
         except Exception as error:  # noqa: BLE001 - reported by the next call
             before = (
                 f"commit {self._durable} is the newest this process made durable"
@@ -337,15 +338,18 @@ class CommitWriter:
             )
             failure.__cause__ = error
             logger.error("%s", failure)
-        with self._lock:
-            if failure is None:
-                self._durable = commit.number
-            else:
-                self._failure = failure
-                if self._due:
-                    self._newest, self._due, self._waiting_owed = None, False, None
-            self._writing, self._writing_owed = None, None
-            self._written.notify_all()
+        finally:
+            # Whatever ended the write (even what ends the thread), a commit waiting for
+            # it must not wait on.
+            with self._lock:
+                if written:
+                    self._durable = commit.number
+                elif failure is not None:
+                    self._failure = failure
+                    if self._due:
+                        self._newest, self._due, self._waiting_owed = None, False, None
+                self._writing, self._writing_owed = None, None
+                self._written.notify_all()
 
 
 def _lower_priority() -> None:
