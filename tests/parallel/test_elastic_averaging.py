@@ -126,6 +126,7 @@ def test_a_commit_holds_the_average_of_the_replicas(
         assert torch.allclose(saved[key], _gathered_mean(value).float(), atol=1e-6), key
     # The live replicas go on untouched, and the file holds the same average.
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in live.items())
+    state.wait_for_commit()  # the write runs in the background
     hvd.barrier()
     _, payload = CheckpointStore(elastic_dir, host="reader").load_newest()
     persisted = payload["handlers"]["model"]

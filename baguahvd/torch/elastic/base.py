@@ -13,9 +13,10 @@ shrink or grow in place, so baguahvd recovers it by restarting the job instead:
    time, at low priority (:mod:`.writer`); a commit made while one is in flight waits in
    memory and is written next, unless a newer commit supersedes it first (it is then
    never written). So with commits faster than writes, the folder holds the newest commit
-   that the writer could keep up with, at most about two writes behind the newest one
-   made. ``BAGUAHVD_ELASTIC_PERSIST_EVERY=k`` asks for the write of every k-th commit
-   only. A failed write is logged at once and raised by the next commit (or at the end of
+   that the writer could keep up with; once the newest durable commit is older than
+   ``BAGUAHVD_ELASTIC_MAX_LAG_SECONDS``, a commit waits for the write in flight (see
+   :mod:`.writer`). ``BAGUAHVD_ELASTIC_PERSIST_EVERY=k`` asks for the write of every k-th
+   commit only. A failed write is logged at once and raised by the next commit (or at the end of
    the training function) as :class:`CommitWriteError`. Before the training function's
    wrapper returns or ends a launch for a resize, the newest commit is made durable;
    before it lets an error through, the writes in flight and due are finished. A process
