@@ -135,8 +135,9 @@ class HostUnits:
 
 class _Pending(NamedTuple):
     comm: Any
-    """The device communicator: ``finished(launched)``, ``wait(launched)``, ``abort()``
-    and, for units in two parts, ``check_succeeded(launched)``."""
+    """The device communicator, or :class:`HostUnits` for host units: ``finished(launched)``,
+    ``wait(launched)``, ``abort()`` and, for units in two parts,
+    ``check_succeeded(launched)``."""
     launched: Any
     unit: list[Entry]
     outcomes: list[Outcome]
@@ -146,7 +147,7 @@ class _Pending(NamedTuple):
 
 
 class Completions:
-    """The launched device units not completed yet, in launch order (see module docstring).
+    """The launched units not completed yet, in launch order (see module docstring).
 
     Only the engine thread adds, polls, drains and abandons; other threads may read
     :meth:`requests` (to fail them when the engine stops). ``timeline``: rank 0's, where
