@@ -196,7 +196,9 @@ class Dispatcher:
             getattr(comm, "device", None) or self.submissions.user_device
             or cuda_support.thread_cuda_device()
         )
-        name = unit[0][0].meta.name
+        # The request's name: an unnamed cache hit runs under an earlier call's response.
+        response, own = unit[0]
+        name = (response if own is None else own).meta.name
         with ordered(device, marks, name) as launched:
             run = _Run(buffers, split=True)
             outcomes = self.execute(unit, comm, run)
