@@ -9,9 +9,10 @@ the cycle decided about autotune settings is applied at its end.
 
 The AND is the cycle's one wait for the other ranks, and this loop does it: the control
 plane only starts it, and between the waits of :func:`~baguahvd.backends.base.waits` the
-loop checks whether the engine has stopped (a peer's alarm, a lost peer) and gives up then.
-Nothing below calls back into the engine. The protocol is in :mod:`baguahvd.engine.engine`;
-a failure on this thread ends the job as :meth:`EngineLoop.run` says.
+loop checks whether the engine has stopped (a peer's alarm, a lost peer) and gives up then,
+and completes the units it launched earlier that have finished meanwhile. Nothing below
+calls back into the engine. The protocol is in :mod:`baguahvd.engine.engine`; a failure on
+this thread ends the job as :meth:`EngineLoop.run` says.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ logger = logging.getLogger("baguahvd.engine")
 ATTRIBUTION_S = 5.0
 """How long the engine thread looks for the cause of a failed bitwise AND (the rank that
 died) before it raises the transport's error."""
+
+
+POLL_DURING_AND_S = 2e-4
+"""How often the engine thread looks at the units it launched while it waits in a cycle's
+bitwise AND."""
 
 
 class _Abandoned(Exception):
@@ -249,9 +255,18 @@ class EngineLoop:
         engine thread checks between waits whether the engine has stopped (a peer's alarm,
         a lost peer) and gives up then: the job is ending."""
         pending = self.control.start_bitwise_and(words)
+        units = self.dispatch.pending
+        next_poll = 0.0
         try:
             for _ in waits(pending):
                 self._give_up_if_stopped()
+                if len(units):
+                    # Units launched earlier complete while the AND waits (over a slow
+                    # link it waits behind their bytes for milliseconds).
+                    now = time.perf_counter()
+                    if now >= next_poll:
+                        units.poll()
+                        next_poll = now + POLL_DURING_AND_S
         except RuntimeError:
             # The exchange failed on this rank (gloo: a peer's connection closed). Its error
             # names an address, not a rank: the watchdog usually names the rank that died

@@ -6,16 +6,20 @@ launch order, and a failed one fails its unit without writing the outputs."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
-from baguahvd.backends.base import Communicator, SelfCommunicator, Started
+from baguahvd.backends.base import Communicator, Pending, SelfCommunicator, Started
 from baguahvd.common.exceptions import ShutDownError
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.execution.completion import CollectiveFailure
 from baguahvd.engine.execution.dispatch import Dispatcher
+from baguahvd.engine.loop import EngineLoop
 from baguahvd.engine.messages import OpType, RequestMeta, build_response
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Entry, Request
@@ -211,3 +215,43 @@ def test_other_collectives_and_other_transports_run_in_the_call() -> None:
     barrier = Request(meta, [], None)
     launching.run_unit([(build_response([meta], (0, 1), ()), barrier)])
     assert barrier.handle.done() and comm.started == []
+
+
+class _SlowAnd(Pending):
+    """A bitwise AND that completes 20 ms after it started; the unit started before it
+    finishes 5 ms in (its bytes went out ahead of the AND's on the link)."""
+
+    def __init__(self, reduction: _Reduction, done: Callable[[], bool]) -> None:
+        self.start, self.reduction, self.done = time.perf_counter(), reduction, done
+        self.completed_while_waiting = False
+
+    def test(self) -> bool:
+        elapsed = time.perf_counter() - self.start
+        if elapsed >= 0.005 and not self.reduction.finished:
+            self.reduction.finish()
+        if elapsed < 0.02:
+            self.completed_while_waiting |= self.done()
+            return False
+        return True
+
+    def wait(self, timeout_s: float) -> None:
+        time.sleep(timeout_s)
+
+    def result(self) -> np.ndarray:
+        return np.zeros(1, dtype=np.uint8)
+
+
+def test_a_unit_that_finishes_while_the_cycle_waits_for_its_peers_completes_then() -> None:
+    comm = _Launching()
+    dispatcher = _dispatcher(comm)
+    unit = _unit(["bucket"], [[1.0]], fuse=False)
+    (request,) = _requests(unit)
+    dispatcher.run_unit(unit)
+    and_ = _SlowAnd(comm.started[0], request.handle.done)
+    loop = object.__new__(EngineLoop)  # only what the AND's wait uses
+    loop.dispatch = dispatcher
+    loop.control = SimpleNamespace(start_bitwise_and=lambda words: and_,
+                                   threads_multiple=True)
+    loop.lifecycle = SimpleNamespace(error=None)
+    loop._bitwise_and(np.zeros(1, dtype=np.uint8))
+    assert and_.completed_while_waiting and _result(request) == [[1.0]]
