@@ -177,7 +177,8 @@ def test_a_recurring_unnamed_burst_longer_than_the_lookup_bound_soon_runs_in_one
     def burst(first: int) -> list[int]:
         for i in range(600):
             window.add(Request(meta._replace(key=f"noname.{first + i}",
-                                             name=f"allreduce.noname.{first + i}"), [], None))
+                                             name=f"allreduce.noname.{first + i}"), [], None),
+                       cache_key(meta))
         runs = []
         while window.requests:
             assert window.look_up(cache) is None
@@ -206,7 +207,7 @@ def test_a_rank_far_ahead_looks_up_no_more_than_its_runs_need() -> None:
     window = UnnamedWindow()
     for i in range(1000):
         window.add(Request(meta._replace(key=f"noname.{i}", name=f"allreduce.noname.{i}"),
-                           [], None))
+                           [], None), cache_key(meta))
     for _ in range(5):
         window.look_up(cache)
         assert len(window.slots) == LOOKUPS_MIN

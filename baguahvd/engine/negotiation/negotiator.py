@@ -169,7 +169,7 @@ class Negotiator:
             if self.unnamed_pending > len(self.unnamed_window) + 1:
                 self.to_send.append(request)
             else:
-                self.unnamed_window.add(request)
+                self.unnamed_window.add(request, key)
             return
         found, slot = self.cache.lookup(meta.process_set_id, key, request_signature(meta))
         if found is Lookup.HIT:

@@ -63,11 +63,10 @@ class UnnamedWindow:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def add(self, request: Request) -> None:
-        """Queues a new unnamed request of the global set (a cacheable one) after the
-        others."""
+    def add(self, request: Request, key: Hashable) -> None:
+        """Queues a new unnamed request of the global set after the others; ``key``: its
+        cache key at position 0 (:func:`cache_key`, not None)."""
         meta = request.meta
-        key = cache_key(meta, 0)
         assert isinstance(key, tuple)
         self.requests.append(request)
         self._described.append((unnamed_number(meta.key), key[:-1], request_signature(meta)))
