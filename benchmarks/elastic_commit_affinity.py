@@ -29,12 +29,10 @@ import dataclasses
 import json
 import os
 import statistics
-import tempfile
 import threading
 import time
 
-import torch
-from mpi4py import MPI
+from elastic_phases import mlp_training
 
 import baguahvd.torch as hvd
 from baguahvd.runtime.runtime import runtime
@@ -69,32 +67,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json")
     args = parser.parse_args()
-    comm = MPI.COMM_WORLD
     load_before = os.getloadavg()
-    hvd.init()
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    folder = tempfile.mkdtemp(prefix="commit-affinity-") if hvd.rank() == 0 else None
-    folder = comm.bcast(folder, root=0)
+    training = mlp_training("commit-affinity-")
+    comm, step = training.comm, training.step
     assert runtime.config is not None
-    runtime.config = dataclasses.replace(runtime.config, elastic_dir=folder)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(),
-                                torch.nn.Linear(4096, 4096), torch.nn.ReLU(),
-                                torch.nn.Linear(4096, 1024))
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4),
-                                         named_parameters=model.named_parameters())
-    state = hvd.elastic.TorchState(model, optimizer, step=0)
-    data = torch.randn(32, 1024)
+    runtime.config = dataclasses.replace(runtime.config, elastic_dir=training.folder)
+    state = hvd.elastic.TorchState(training.model, training.optimizer, step=0)
     every = set(range(os.cpu_count() or 1))
     pins: dict[str, set[int] | None] = {
         "none": None, "inherit": None, "core0": {0}, "core1": {1 % len(every)}, "all": every,
     }
     rank_affinity = sorted(os.sched_getaffinity(0))
-
-    def step() -> None:
-        optimizer.zero_grad()
-        model(data).pow(2).mean().backward()
-        optimizer.step()
 
     for _ in range(2):  # warm-up, the first commits' allocations and files included
         step()
