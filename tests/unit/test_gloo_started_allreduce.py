@@ -6,38 +6,14 @@ failed one raises from both. Ranks are threads of one process over one in-memory
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from baguahvd.backends.base import Communicator, Finished, SelfCommunicator
-from baguahvd.backends.gloo import GlooControlPlane, GlooWorld, PendingWork
+from baguahvd.backends.gloo import GlooControlPlane, PendingWork
 from baguahvd.common.ops import ReduceOp
-
-
-def _run_ranks(size: int, body: Any) -> list[Any]:
-    store = dist.HashStore()
-    results: list[Any] = [None] * size
-    errors: list[BaseException] = []
-
-    def rank_main(rank: int) -> None:
-        try:
-            world = GlooWorld(store, rank, size, group_timeout_s=30)
-            results[rank] = body(GlooControlPlane(world))
-        except BaseException as exc:  # reported below, in the test's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank hung"
-    if errors:
-        raise errors[0]
-    return results
+from tests.support.gloo_ranks import run_ranks
 
 
 def test_started_allreduces_complete_in_flight_together() -> None:
@@ -62,7 +38,7 @@ def test_started_allreduces_complete_in_flight_together() -> None:
         assert all(s.test() for s in started)
         return [big.unique().tolist(), small_out.tolist(), half.tolist()]
 
-    for result in _run_ranks(3, body):
+    for result in run_ranks(3, body):
         assert result == [[6.0], [2.0] * 3, [4.5, 4.5]]
 
 
