@@ -161,24 +161,38 @@ def test_unnamed_allreduces_and_broadcasts_of_the_global_set_are_cached_under_wh
     assert cache_key(meta._replace(op=OpType.BARRIER)) is None
 
 
+_UNNAMED = _meta(0, name="noname.0")
+
+
+def _unnamed_cache(positions: int) -> ResponseCache:
+    """A cache of 1,024 slots with an unnamed allreduce of one shape at each of the first
+    ``positions`` positions."""
+    cache = ResponseCache(1024)
+    signature = request_signature(_UNNAMED)
+    for position in range(positions):
+        cache.put(_response(f"noname.{position}"), signature, member=True,
+                  key=cache_key(_UNNAMED, position))
+    return cache
+
+
+def _wait_unnamed(window: UnnamedWindow, first: int, count: int) -> None:
+    """Queues the unnamed requests ``noname.first`` and the ``count - 1`` after it."""
+    for number in range(first, first + count):
+        key = f"noname.{number}"
+        window.add(Request(_UNNAMED._replace(key=key, name=f"allreduce.{key}"), [], None),
+                   cache_key(_UNNAMED))
+
+
 def test_a_recurring_unnamed_burst_longer_than_the_lookup_bound_soon_runs_in_one_cycle(
 ) -> None:
     # 600 unnamed allreduces of one shape, cached at positions 0..599: the first cycle looks
     # up the first 256 only; each run that takes all it looked up doubles the bound (up to
     # the cache's capacity), so a burst that recurs runs in one cycle from its third time.
-    cache = ResponseCache(1024)
-    meta = _meta(0, name="noname.0")
-    signature = request_signature(meta)
-    for position in range(600):
-        cache.put(_response(f"noname.{position}"), signature, member=True,
-                  key=cache_key(meta, position))
+    cache = _unnamed_cache(600)
     window = UnnamedWindow()
 
     def burst(first: int) -> list[int]:
-        for i in range(600):
-            window.add(Request(meta._replace(key=f"noname.{first + i}",
-                                             name=f"allreduce.noname.{first + i}"), [], None),
-                       cache_key(meta))
+        _wait_unnamed(window, first, 600)
         runs = []
         while window.requests:
             assert window.look_up(cache) is None
@@ -198,16 +212,9 @@ def test_a_recurring_unnamed_burst_longer_than_the_lookup_bound_soon_runs_in_one
 
 def test_a_rank_far_ahead_looks_up_no_more_than_its_runs_need() -> None:
     # Runs of 100 never reach the bound: it stays at its minimum however many wait.
-    cache = ResponseCache(1024)
-    meta = _meta(0, name="noname.0")
-    signature = request_signature(meta)
-    for position in range(1000):
-        cache.put(_response(f"noname.{position}"), signature, member=True,
-                  key=cache_key(meta, position))
+    cache = _unnamed_cache(1000)
     window = UnnamedWindow()
-    for i in range(1000):
-        window.add(Request(meta._replace(key=f"noname.{i}", name=f"allreduce.noname.{i}"),
-                           [], None), cache_key(meta))
+    _wait_unnamed(window, 0, 1000)
     for _ in range(5):
         window.look_up(cache)
         assert len(window.slots) == LOOKUPS_MIN
