@@ -189,7 +189,7 @@ def test_a_recurring_unnamed_burst_longer_than_the_lookup_bound_soon_runs_in_one
     # up the first 256 only; each run that takes all it looked up doubles the bound (up to
     # the cache's capacity), so a burst that recurs runs in one cycle from its third time.
     cache = _unnamed_cache(600)
-    window = UnnamedWindow()
+    window = UnnamedWindow(1024)
 
     def burst(first: int) -> list[int]:
         _wait_unnamed(window, first, 600)
@@ -213,7 +213,7 @@ def test_a_recurring_unnamed_burst_longer_than_the_lookup_bound_soon_runs_in_one
 def test_a_rank_far_ahead_looks_up_no_more_than_its_runs_need() -> None:
     # Runs of 100 never reach the bound: it stays at its minimum however many wait.
     cache = _unnamed_cache(1000)
-    window = UnnamedWindow()
+    window = UnnamedWindow(1024)
     _wait_unnamed(window, 0, 1000)
     for _ in range(5):
         window.look_up(cache)

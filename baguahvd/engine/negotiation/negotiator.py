@@ -84,7 +84,7 @@ class Negotiator:
         self.unnamed_pending = 0
         """Unnamed requests of the global set admitted and not yet run (see module
         docstring)."""
-        self.unnamed_window = UnnamedWindow()
+        self.unnamed_window = UnnamedWindow(cache_capacity)
         """This rank's unnamed requests of the global set that wait on the cache; empty
         while one of them is negotiated in full (see module docstring)."""
         self.exchanges = 0

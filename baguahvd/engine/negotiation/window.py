@@ -41,9 +41,10 @@ def counted(process_set_id: int, key: str) -> bool:
 
 
 class UnnamedWindow:
-    """The waiting requests, oldest first, and the cache slots this cycle found for them."""
+    """The waiting requests, oldest first, and the cache slots this cycle found for them;
+    ``capacity``: the response cache's."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int) -> None:
         self.requests: list[Request] = []
         self._described: list[tuple[int, tuple[object, ...], tuple[object, ...]]] = []
         """Per request: its number, its cache key but the position, and its signature (a
@@ -58,7 +59,7 @@ class UnnamedWindow:
         positions counted from it (:meth:`cache_key`)."""
         self.lookups_max = LOOKUPS_MIN
         """The most requests a cycle looks up (see :data:`LOOKUPS_MIN`)."""
-        self._lookups_cap = LOOKUPS_MIN
+        self._lookups_cap = max(capacity, LOOKUPS_MIN)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -77,7 +78,6 @@ class UnnamedWindow:
         to the first that misses. Returns the slot of an entry found stale there (to
         invalidate everywhere), else None."""
         self._cycle_base = base = self.base
-        self._lookups_cap = max(cache.capacity, LOOKUPS_MIN)
         slots: list[int] = []
         self.slots = slots
         lookup = cache.lookup
