@@ -16,6 +16,7 @@ import torch
 
 from baguahvd.common.config import Config
 from baguahvd.runtime.runtime import runtime
+from baguahvd.torch.elastic.state import TorchState
 from baguahvd.torch.elastic.store import CheckpointStore
 from baguahvd.torch.elastic.writer import CommitWriter
 
@@ -250,9 +251,12 @@ def test_the_bound_is_a_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: pathl
     with pytest.raises(ValueError, match="BAGUAHVD_ELASTIC_MAX_LAG_SECONDS='-1'"):
         Config.from_env({"BAGUAHVD_ELASTIC_MAX_LAG_SECONDS": "-1"})
     base = runtime.config or Config()
-    monkeypatch.setattr(runtime, "config", dataclasses.replace(base, elastic_max_lag_s=2.5))
+    monkeypatch.setattr(runtime, "config", dataclasses.replace(
+        base, elastic_max_lag_s=2.5, elastic_dir=str(tmp_path)))
+    writer = TorchState(torch.nn.Linear(1, 1))._writer  # the state passes the setting on
+    assert writer is not None and writer._max_lag_s == 2.5
     store = CheckpointStore(str(tmp_path), host="node-a")
-    assert CommitWriter(store)._max_lag_s == 2.5
+    assert CommitWriter(store)._max_lag_s == 60.0
     with pytest.raises(ValueError, match="must not be negative"):
         CommitWriter(store, max_lag_s=-1.0)
     assert torch.zeros(1).sum() == 0  # torch stays importable beside the writer

@@ -119,7 +119,10 @@ class State:
         self._hosts_version = config.elastic_hosts_version if config is not None else 0
         folder = config.elastic_dir if config is not None else None
         self._store = CheckpointStore(folder) if folder else None
-        self._writer = CommitWriter(self._store) if self._store is not None else None
+        self._writer = (
+            CommitWriter(self._store, max_lag_s=config.elastic_max_lag_s)
+            if self._store is not None and config is not None else None
+        )
         self._persist_every = config.elastic_persist_every if config is not None else 1
         # torchrun's agent restarts workers from the top of the script: without a folder,
         # they start from the beginning. Said once, at the first commit.

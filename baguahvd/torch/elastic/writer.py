@@ -60,7 +60,6 @@ from typing import Any
 import torch
 
 from baguahvd.common.config import Config
-from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.elastic.store import CheckpointStore
 
 logger = logging.getLogger(__name__)
@@ -171,8 +170,8 @@ class CommitWriter:
     Args:
         store: the elastic folder's store.
         max_lag_s: how long a commit asked to be written may stay owed before commits wait
-            for the write in flight; None takes ``elastic_max_lag_s`` of the runtime's
-            configuration (``BAGUAHVD_ELASTIC_MAX_LAG_SECONDS``).
+            for the write in flight (``BAGUAHVD_ELASTIC_MAX_LAG_SECONDS``; the elastic
+            state passes its configuration's).
         clock: the monotonic clock, in seconds, that the bound is measured with (tests
             pass one that they step by hand).
     """
@@ -181,11 +180,9 @@ class CommitWriter:
         self,
         store: CheckpointStore,
         *,
-        max_lag_s: float | None = None,
+        max_lag_s: float = Config.elastic_max_lag_s,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if max_lag_s is None:
-            max_lag_s = (runtime.config or Config()).elastic_max_lag_s
         if max_lag_s < 0:
             raise ValueError(f"max_lag_s={max_lag_s!r} must not be negative")
         self._store = store
