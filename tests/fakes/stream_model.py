@@ -210,10 +210,23 @@ class StreamModel:
         storage = tensor.untyped_storage()
         found = self.buffers.get(storage.data_ptr())
         if found is None:
+            self._forget_overlapping(storage.data_ptr(), storage.nbytes())
             found = Buffer(self.device if device is None else device, self.default.ident,
                            storage.nbytes())
             self.buffers[storage.data_ptr()] = found
         return found
+
+    def _forget_overlapping(self, start: int, nbytes: int) -> None:
+        """Drops the buffers of freed memory that a new buffer at ``start`` overlaps
+        without starting where it starts: tensors are host memory here, which the
+        allocator hands out again at other offsets (two ranks' threads share it), and
+        :meth:`at` would otherwise find the stale buffer and its writer first."""
+        end = start + max(nbytes, 1)
+        for other in [
+            ptr for ptr, buffer in self.buffers.items()
+            if ptr != start and ptr < end and start < ptr + max(buffer.nbytes, 1)
+        ]:
+            del self.buffers[other]
 
     def mark_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """Marks ``tensor`` as host memory."""
@@ -270,6 +283,7 @@ class StreamModel:
                         f"memory freed on stream {owner.name} was reused while stream "
                         f"{self._name(earlier[0])} may still use it (record_stream missing)"
                     )
+        self._forget_overlapping(storage.data_ptr(), storage.nbytes())
         self.buffers[storage.data_ptr()] = Buffer(
             device, stream.ident, storage.nbytes(), writer=access
         )
