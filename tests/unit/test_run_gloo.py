@@ -102,7 +102,10 @@ def test_each_ranks_lines_arrive_whole_and_tagged(capfd: pytest.CaptureFixture[s
 
 def test_untagged_output_passes_through(capfd: pytest.CaptureFixture[str]) -> None:
     environments = [dict(os.environ, RANK=str(rank)) for rank in range(2)]
+    # One write per line: with unbuffered output print() writes the text and the newline
+    # apart, and the two ranks' pieces may interleave on the way through.
     status = local_gloo.run_ranks(
-        [sys.executable, "-c", "print('plain')"], environments, tag_output=False
+        [sys.executable, "-c", "import sys; sys.stdout.write('plain\\n')"], environments,
+        tag_output=False,
     )
     assert status == 0 and capfd.readouterr().out.splitlines() == ["plain", "plain"]
