@@ -104,7 +104,7 @@ def test_the_write_thread_runs_at_a_low_priority(tmp_path: pathlib.Path) -> None
     writer = CommitWriter(store)
     writer.submit(1, {"w": torch.zeros(2)})
     writer.wait()
-    assert store.priorities == [max(10, before)]  # a nicer process keeps its own
+    assert store.priorities == [max(19, before)]  # a nicer process keeps its own
     assert _priority() == before  # the caller's is left alone
 
 

@@ -66,11 +66,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CommitWriteError", "CommitWriter", "HostStaging", "PendingCommit"]
 
-_WRITER_NICE = 10
-"""The ``nice`` value of the write thread, where threads have their own. On a busy core it
-gets about a tenth of the time of a training thread (nice 0): training keeps the cores,
-and a write still ends within seconds. At 19 (a sixtieth) a write of 100 MB on two
-CPU-bound cores took 10 s and more."""
+_WRITER_NICE = 19
+"""The ``nice`` value of the write thread, where threads have their own: on a busy core it
+gets about a sixtieth of the time of a training thread (nice 0), and on an idle one all of
+it. Writing a commit takes little CPU (SHA-256 and the copy into the page cache; the rest
+waits for the disk without the GIL), so on two CPU-bound cores the newest durable commit
+of a 100 MB model lagged 1.3-1.4 s (median) at 19 against 0.8-0.9 s at 10, while what a
+commit added to a step fell from 72-91 ms to 45-52 ms
+(``benchmarks/results/elastic_commit/NOTES.md``, "The writer's priority")."""
 
 
 class CommitWriteError(RuntimeError):
