@@ -21,7 +21,7 @@ def _meta(rank: int, op: OpType = OpType.ALLREDUCE, name: str = "allreduce.w", *
 
 def _allreduce(
     tensors, reduce_op=ReduceOp.SUM, prescale=1.0, postscale=1.0, in_place=False,
-    copied=None,
+    copied=None, buffers=None,
 ):
     """Runs one (possibly fused) allreduce unit over SelfCommunicator; returns the outputs."""
     entries = []
@@ -34,7 +34,9 @@ def _allreduce(
         output = tensor if in_place else torch.empty_like(tensor)
         request = Request(meta, [tensor], [output])
         entries.append((build_response([meta], (0,), ()), request))
-    execute.allreduce(SelfCommunicator(), entries, execute.FusionBuffers(), copied=copied)
+    execute.allreduce(
+        SelfCommunicator(), entries, buffers or execute.FusionBuffers(), copied=copied
+    )
     return [request.outputs[0] for _, request in entries]
 
 
@@ -121,6 +123,30 @@ def test_fused_allreduce_matches_unfused() -> None:
         assert torch.equal(out, single)
         assert torch.equal(out, tensor)
     assert [o.shape for o in fused] == [t.shape for t in tensors]
+
+
+@pytest.mark.parametrize("shaped", [False, True])
+def test_flat_cpu_tensors_go_into_the_fusion_buffer_by_one_cat(
+    monkeypatch: pytest.MonkeyPatch, shaped: bool
+) -> None:
+    real_cat = torch.cat
+    cats = []
+
+    def cat(tensors, *args, **kwargs):
+        cats.append(len(tensors))
+        return real_cat(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", cat)
+    tensors = [torch.arange(n, dtype=torch.float32) + n for n in (2, 3, 4)]
+    if shaped:
+        tensors[1] = tensors[1].view(1, 3)
+    buffers = execute.FusionBuffers()
+    outputs = _allreduce(tensors, prescale=2.0, buffers=buffers)
+    # A tensor of more than one dimension takes the copy per view instead.
+    assert cats == ([] if shaped else [3])
+    assert [o.tolist() for o in outputs] == [(2 * t).tolist() for t in tensors]
+    flat = real_cat([t.reshape(-1) for t in tensors])
+    assert torch.equal(buffers.get(torch.float32, 9, torch.device("cpu")), 2 * flat)
 
 
 def test_fused_in_place_allreduce() -> None:
