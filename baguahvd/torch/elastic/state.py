@@ -11,6 +11,7 @@ import torch
 from baguahvd.runtime.runtime import runtime
 from baguahvd.torch.averaging import average_tree, keeps_replicas
 from baguahvd.torch.elastic.base import HostUpdateResult, ObjectState
+from baguahvd.torch.elastic.copies import copy_state
 from baguahvd.torch.elastic.sampler import ElasticSampler
 from baguahvd.torch.functions import (
     allgather_object,
@@ -83,10 +84,15 @@ class _StateDictHandler(StateHandler):
 
     def __init__(self, value: Any) -> None:
         super().__init__(value)
+        self.spare: Any = None
+        """An earlier saved copy that nothing reads any more, whose tensors the next
+        :meth:`save` copies into (see :mod:`~baguahvd.torch.elastic.copies`); set by
+        :class:`TorchState`, taken by the save."""
         self.save()
 
     def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
+        spare, self.spare = self.spare, None
+        self._saved = copy_state(self.value.state_dict(), spare)
 
     def restore(self) -> None:
         # A deep copy, so that later steps cannot write through into the saved state.
@@ -160,7 +166,9 @@ class TorchState(ObjectState):
 
     ``commit()`` saves in memory and, under ``baguahvdrun --elastic``, persists to the
     elastic folder, so that a restarted job resumes from it: the copy is taken when
-    ``commit()`` is called (on the tensors' device) and written on a background thread
+    ``commit()`` is called (on the tensors' device; CPU tensors into the memory of an
+    earlier copy that no write reads any more, see :mod:`~baguahvd.torch.elastic.copies`,
+    which keeps at most one spare copy of the state) and written on a background thread
     while training goes on, CUDA tensors through pinned host buffers; a commit made while a
     write is in flight is written next, unless a newer one supersedes it (see
     :mod:`baguahvd.torch.elastic.writer`).
@@ -189,6 +197,8 @@ class TorchState(ObjectState):
             else:
                 handlers[name] = handler
         object.__setattr__(self, "_handlers", handlers)
+        self._replaced: list[tuple[int, dict[str, Any]]] = []
+        """Saved copies replaced by a save, with the commit they belong to (see :meth:`save`)."""
         for name, handler in handlers.items():
             object.__setattr__(self, name, handler.value)
         super().__init__(
@@ -211,12 +221,29 @@ class TorchState(ObjectState):
         for impl in paused:
             impl.abort()
         try:
-            for handler in self._handlers.values():
+            spares = self._free_copies()
+            replaced: dict[str, Any] = {}
+            for name, handler in self._handlers.items():
+                if isinstance(handler, _StateDictHandler):
+                    replaced[name] = handler.saved()
+                    handler.spare = spares.get(name)
                 handler.save()
+            # The copies just replaced belong to the last commit: free once the writer no
+            # longer holds it (at once where it never had it).
+            self._replaced.append((self._commits, replaced))
             super().save()
         finally:
             for impl in paused:
                 impl.resume()
+
+    def _free_copies(self) -> dict[str, Any]:
+        """The newest replaced saved copies (per handler) of a commit that no write reads
+        any more; older ones are let go, so at most one spare per handler is kept."""
+        writer = self._writer
+        held = writer.holds() if writer is not None else frozenset()
+        free = [copies for number, copies in self._replaced if number not in held]
+        self._replaced = [(number, c) for number, c in self._replaced if number in held]
+        return free[-1] if free else {}
 
     def restore(self) -> None:
         for handler in self._handlers.values():

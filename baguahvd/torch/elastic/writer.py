@@ -220,6 +220,15 @@ class CommitWriter:
         """The newest commit this writer has made durable; -1 before the first."""
         return self._durable
 
+    def holds(self) -> frozenset[int]:
+        """The numbers of the commits whose tensors this writer may still read: the one
+        being written and the newest (waiting for its write, or kept in memory). It never
+        reads the tensors of any other commit again, so their memory may be reused."""
+        with self._lock:
+            return frozenset(
+                commit.number for commit in (self._writing, self._newest) if commit is not None
+            )
+
     @property
     def lag_waits(self) -> int:
         """How many commits waited for the write in flight because of the bound on the
