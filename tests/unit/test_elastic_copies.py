@@ -4,13 +4,18 @@ nothing reads any more, and never those of a copy a background write still reads
 from __future__ import annotations
 
 import copy
+import pathlib
+import threading
 from collections import OrderedDict
+from typing import Any
 
 import pytest
 import torch
 
 from baguahvd.torch.elastic.copies import copy_state
 from baguahvd.torch.elastic.state import TorchState
+from baguahvd.torch.elastic.store import CheckpointStore
+from baguahvd.torch.elastic.writer import CommitWriter
 
 
 def _model() -> torch.nn.Module:
@@ -155,3 +160,39 @@ def test_without_a_writer_two_copies_take_turns() -> None:
     state.save()
     assert handler.saved()["weight"] is second
     assert copy.deepcopy(handler.saved()).keys() == model.state_dict().keys()
+
+
+class _GatedStore(CheckpointStore):
+    """Writes nothing: records each commit's weights as its write reads them, once the
+    test lets the writes go."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__(folder, host="node-a")
+        self.go = threading.Event()
+        self.written: dict[int, list[float]] = {}
+
+    def write(self, number: int, payload: Any) -> str:
+        assert self.go.wait(30.0), "the test never let the write go"
+        weight = payload["handlers"]["model"]["weight"]
+        self.written[number] = sorted(set(weight.flatten().tolist()))
+        return ""
+
+
+def test_commits_made_during_a_write_leave_the_tensors_it_reads_alone(
+    tmp_path: pathlib.Path,
+) -> None:
+    model = torch.nn.Linear(4, 4)
+    state = TorchState(model)
+    store = _GatedStore(str(tmp_path))
+    writer = CommitWriter(store)
+    object.__setattr__(state, "_writer", writer)
+    for number in range(1, 7):  # as commit() does, without its collective host check
+        with torch.no_grad():
+            model.weight.fill_(float(number))
+        state.save()
+        state._commits = number
+        writer.submit(number, state._payload())
+    store.go.set()
+    writer.wait()
+    # Commit 1 was being written throughout; 2 to 5 were superseded, 6 written last.
+    assert store.written == {1: [1.0], 6: [6.0]}
