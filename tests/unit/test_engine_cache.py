@@ -179,8 +179,7 @@ def _wait_unnamed(window: UnnamedWindow, first: int, count: int) -> None:
     """Queues the unnamed requests ``noname.first`` and the ``count - 1`` after it."""
     for number in range(first, first + count):
         key = f"noname.{number}"
-        window.add(Request(_UNNAMED._replace(key=key, name=f"allreduce.{key}"), [], None),
-                   cache_key(_UNNAMED))
+        window.add(Request(_UNNAMED._replace(key=key, name=f"allreduce.{key}"), [], None))
 
 
 def test_a_recurring_unnamed_burst_longer_than_the_lookup_bound_soon_runs_in_one_cycle(

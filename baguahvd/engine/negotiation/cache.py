@@ -61,17 +61,29 @@ def cache_key(item: RequestMeta, position: int = 0) -> Hashable | None:
         return key
     if op not in UNNAMED_CACHEABLE_OPS or item.process_set_id != GLOBAL_PROCESS_SET_ID:
         return None
+    return (*unnamed_described(item), position)
+
+
+def unnamed_described(item: RequestMeta) -> tuple[object, ...]:
+    """The key of an unnamed allreduce or broadcast of the global set (:func:`cache_key`)
+    without its position."""
     return (
-        UNNAMED_PREFIX, op, item.dtype, item.shapes, item.device, item.reduce_op, item.prescale,
-        item.postscale, item.root, item.fuse, position,
+        UNNAMED_PREFIX, item.op, item.dtype, item.shapes, item.device, item.reduce_op,
+        item.prescale, item.postscale, item.root, item.fuse,
     )
 
 
 def request_signature(meta: RequestMeta) -> tuple[object, ...]:
     """What a cached entry must match for ``meta`` to hit it: for an unnamed request, every
-    field of the request but its key and name, which change from one call to the next (a
-    slice: ``_replace`` would cost more than the lookup it serves)."""
-    return meta[2:] if is_unnamed(meta.key) else meta.signature()
+    field of the request but its key and name (:func:`unnamed_signature`)."""
+    return unnamed_signature(meta) if is_unnamed(meta.key) else meta.signature()
+
+
+def unnamed_signature(meta: RequestMeta) -> tuple[object, ...]:
+    """:func:`request_signature` of an unnamed request: its fields but the key and the name,
+    which change from one call to the next (a slice: ``_replace`` would cost more than the
+    lookup it serves)."""
+    return meta[2:]
 
 
 def response_cacheable(response: Response) -> bool:

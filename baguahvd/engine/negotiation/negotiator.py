@@ -10,7 +10,13 @@ import numpy as np
 
 from baguahvd.backends.base import ControlPlane
 from baguahvd.engine.autotune import Settings
-from baguahvd.engine.messages import OpType, Response
+from baguahvd.engine.messages import (
+    DATA_OPS,
+    GLOBAL_PROCESS_SET_ID,
+    UNNAMED_PREFIX,
+    OpType,
+    Response,
+)
 from baguahvd.engine.negotiation.bits import (
     FLAG_IDLE,
     FLAG_NO_SHUTDOWN,
@@ -22,10 +28,9 @@ from baguahvd.engine.negotiation.bits import (
     vector,
 )
 from baguahvd.engine.negotiation.cache import (
+    UNNAMED_CACHEABLE_OPS,
     Lookup,
     ResponseCache,
-    cache_key,
-    may_cache,
     request_signature,
     response_cacheable,
 )
@@ -129,57 +134,41 @@ class Negotiator:
     # -- admitting new requests -----------------------------------------------------------
 
     def admit_all(self, requests: list[Request]) -> None:
-        """:meth:`admit` for a cycle's new requests, with the common case (a named cache
-        hit) inline."""
-        cache = self.cache
-        if self.join_mode or cache.capacity == 0:
-            for request in requests:
-                self.admit(request)
-            return
-        lookup = cache.lookup
-        waiting = self.waiting_on_cache
+        """Files a cycle's new requests: named ones as cache hits (looked up now); unnamed
+        allreduces and broadcasts of the global set in the unnamed window (looked up at the
+        cycle's announcement, by their position); anything else, and what misses, to be
+        sent to rank 0 in full."""
+        cached = not self.join_mode and self.cache.capacity > 0
+        lookup = self.cache.lookup
         timeline = self.timeline
         traced = timeline is not None and timeline.active
-        hit = Lookup.HIT
         for request in requests:
             meta = request.meta
-            if may_cache(meta.op, meta.key):
-                found, slot = lookup(meta.process_set_id, meta.key, meta.signature())
-                if found is hit:
-                    waiting[slot] = request
-                    if traced:
-                        assert timeline is not None
-                        timeline.negotiation_started(meta.name, meta.op)
+            if meta.key.startswith(UNNAMED_PREFIX):
+                if meta.process_set_id != GLOBAL_PROCESS_SET_ID:
+                    self.to_send.append(request)
                     continue
-            self.admit(request)
-
-    def admit(self, request: Request) -> None:
-        """Files a new request: as a cache hit, or to be sent to rank 0."""
-        meta = request.meta
-        unnamed = counted(meta.process_set_id, meta.key)
-        if unnamed:
-            self.unnamed_pending += 1
-        key = None if self.join_mode or self.cache.capacity == 0 else cache_key(meta)
-        if key is None:
-            self.to_send.append(request)
-            return
-        if unnamed:
-            # In full as long as an older one is (rank 0 pairs them by name), else looked
-            # up in the cache at the cycle's announcement, by its position.
-            if self.unnamed_pending > len(self.unnamed_window) + 1:
+                self.unnamed_pending += 1
+                if (not cached or meta.op not in UNNAMED_CACHEABLE_OPS
+                        or self.unnamed_pending > len(self.unnamed_window) + 1):
+                    # In full as long as an older one is: rank 0 pairs them by name.
+                    self.to_send.append(request)
+                else:
+                    self.unnamed_window.add(request)
+                continue
+            if not cached or meta.op not in DATA_OPS:
                 self.to_send.append(request)
-            else:
-                self.unnamed_window.add(request, key)
-            return
-        found, slot = self.cache.lookup(meta.process_set_id, key, request_signature(meta))
-        if found is Lookup.HIT:
-            self.waiting_on_cache[slot] = request
-            if self.timeline is not None and self.timeline.active:
-                self.timeline.negotiation_started(meta.name, meta.op)
-            return
-        if found is Lookup.STALE:
-            self.stale_slots.add(slot)
-        self.to_send.append(request)
+                continue
+            found, slot = lookup(meta.process_set_id, meta.key, meta.signature())
+            if found is Lookup.HIT:
+                self.waiting_on_cache[slot] = request
+                if traced:
+                    assert timeline is not None
+                    timeline.negotiation_started(meta.name, meta.op)
+                continue
+            if found is Lookup.STALE:
+                self.stale_slots.add(slot)
+            self.to_send.append(request)
 
     def _window_to_full(self) -> None:
         self.to_send.extend(self.unnamed_window.take_all())

@@ -24,7 +24,13 @@ from baguahvd.engine.messages import (
     is_unnamed,
     unnamed_number,
 )
-from baguahvd.engine.negotiation.cache import Lookup, ResponseCache, cache_key, request_signature
+from baguahvd.engine.negotiation.cache import (
+    Lookup,
+    ResponseCache,
+    cache_key,
+    unnamed_described,
+    unnamed_signature,
+)
 from baguahvd.engine.requests import Request
 
 LOOKUPS_MIN = 256
@@ -64,13 +70,13 @@ class UnnamedWindow:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def add(self, request: Request, key: Hashable) -> None:
-        """Queues a new unnamed request of the global set after the others; ``key``: its
-        cache key at position 0 (:func:`cache_key`, not None)."""
+    def add(self, request: Request) -> None:
+        """Queues a new unnamed allreduce or broadcast of the global set after the others."""
         meta = request.meta
-        assert isinstance(key, tuple)
         self.requests.append(request)
-        self._described.append((unnamed_number(meta.key), key[:-1], request_signature(meta)))
+        self._described.append(
+            (unnamed_number(meta.key), unnamed_described(meta), unnamed_signature(meta))
+        )
 
     def look_up(self, cache: ResponseCache) -> int | None:
         """Starts a cycle (every rank, every cycle: the positions of the cycle's responses
