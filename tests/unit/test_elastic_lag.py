@@ -9,6 +9,7 @@ import logging
 import pathlib
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -182,34 +183,43 @@ def test_commits_kept_in_memory_are_not_owed(tmp_path: pathlib.Path) -> None:
     assert training.writer.durable == 11
 
 
+def _late_commit_while_a_write_ends(
+    store: _HeldStore, commit: Callable[[CommitWriter], None]
+) -> tuple[CommitWriter, threading.Thread]:
+    """Holds the write of commit 1 past the bound, runs ``commit`` (commit 2) on a thread
+    until it waits for that write, then lets the write end; returns the writer and the
+    thread, joined (within :data:`WAIT_S`)."""
+    clock = _Clock()
+    writer = CommitWriter(store, max_lag_s=BOUND_S, clock=clock)
+    writer.submit(1, {"n": 1})
+    _settle(writer, store)
+    clock.now = 61.0
+    call = threading.Thread(target=commit, args=(writer,))
+    call.start()
+    deadline = time.monotonic() + WAIT_S
+    while writer.lag_waits == 0:
+        assert time.monotonic() < deadline, "the late commit never waited for the write"
+        time.sleep(0.0005)
+    store.permits.release()
+    call.join(WAIT_S)
+    return writer, call
+
+
 def test_a_failed_write_ends_the_wait_and_is_raised(tmp_path: pathlib.Path) -> None:
     class _Failing(_HeldStore):
         def write(self, number: int, payload: Any) -> str:
             super().write(number, payload)
             raise OSError(28, "No space left on device")
 
-    clock = _Clock()
-    store = _Failing(str(tmp_path))
-    writer = CommitWriter(store, max_lag_s=BOUND_S, clock=clock)
-    writer.submit(1, {"n": 1})
-    _settle(writer, store)
-    clock.now = 61.0
     raised: list[BaseException] = []
 
-    def submit() -> None:
+    def submit(writer: CommitWriter) -> None:
         try:
             writer.submit(2, {"n": 2})
         except BaseException as error:  # noqa: BLE001 - checked below
             raised.append(error)
 
-    call = threading.Thread(target=submit)
-    call.start()
-    deadline = time.monotonic() + WAIT_S
-    while writer.lag_waits == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.0005)
-    store.permits.release()
-    call.join(WAIT_S)
+    writer, _ = _late_commit_while_a_write_ends(_Failing(str(tmp_path)), submit)
     assert [type(e).__name__ for e in raised] == ["CommitWriteError"]
     assert "commit 1" in str(raised[0]) and not writer.busy
 
@@ -224,20 +234,10 @@ def test_a_write_ended_by_what_ends_the_thread_ends_the_wait(tmp_path: pathlib.P
             super().write(number, payload)
             raise _Stop
 
-    clock = _Clock()
-    store = _Stopping(str(tmp_path))
-    writer = CommitWriter(store, max_lag_s=BOUND_S, clock=clock)
-    writer.submit(1, {"n": 1})
-    _settle(writer, store)
-    clock.now = 61.0
-    call = threading.Thread(target=writer.submit, args=(2, {"n": 2}))
-    call.start()
-    deadline = time.monotonic() + WAIT_S
-    while writer.lag_waits == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.0005)
-    store.permits.release()
-    call.join(WAIT_S)  # returns once the write of 1 is over, though it is not durable
+    writer, call = _late_commit_while_a_write_ends(
+        _Stopping(str(tmp_path)), lambda writer: writer.submit(2, {"n": 2})
+    )
+    # The commit returned once the write of 1 was over, though it is not durable.
     assert not call.is_alive() and writer.durable == -1
     for thread in threading.enumerate():  # its end is this test's
         if thread.name == "baguahvd-commit-writer":
