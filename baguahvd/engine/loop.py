@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -43,7 +44,7 @@ from baguahvd.engine.lifecycle.states import Lifecycle, State
 from baguahvd.engine.messages import OpType
 from baguahvd.engine.negotiation.negotiator import Negotiator
 from baguahvd.engine.negotiation.stall import StallInspector
-from baguahvd.engine.notices import Notice, NoticeKind, describe_exception
+from baguahvd.engine.notices import Decision, Notice, NoticeKind, describe_exception
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Entry, Request
 from baguahvd.engine.submission import Submissions
@@ -52,8 +53,8 @@ from baguahvd.engine.timeline import Timeline
 logger = logging.getLogger("baguahvd.engine")
 
 ATTRIBUTION_S = 5.0
-"""How long the engine thread looks for the cause of a failed bitwise AND (the rank that
-died) before it raises the transport's error."""
+"""How long the engine thread looks for the cause of a failed exchange, the bitwise AND or
+the negotiation with rank 0 (the rank that died), before it raises the transport's error."""
 
 
 POLL_DURING_AND_S = 2e-4
@@ -185,7 +186,7 @@ class EngineLoop:
             # Some rank announced the end of the job: this cycle runs nothing, and the
             # device units every rank launched finish first.
             self.dispatch.pending.drain()
-            decision = negotiation.negotiate(notice)
+            decision = self._negotiate(notice)
             final = decision.notice or Notice(NoticeKind.SHUTDOWN, -1)
             lifecycle.stop(final.error(self.rank), abnormal=final.abnormal)
             self.fail_pending()
@@ -194,7 +195,7 @@ class EngineLoop:
         entries = negotiation.cached_work(agreed)
         negotiated: list[Entry] = []
         if negotiation.exchange_agreed(agreed):
-            negotiated = negotiation.answered(negotiation.negotiate(None).responses)
+            negotiated = negotiation.answered(self._negotiate(None).responses)
             entries += negotiated
         for response, own in negotiated:
             if own is None:
@@ -267,16 +268,29 @@ class EngineLoop:
                     if now >= next_poll:
                         units.poll()
                         next_poll = now + POLL_DURING_AND_S
-        except RuntimeError:
-            # The exchange failed on this rank (gloo: a peer's connection closed). Its error
-            # names an address, not a rank: the watchdog usually names the rank that died
-            # (or a peer's alarm says why it left) within moments.
-            deadline = time.monotonic() + ATTRIBUTION_S
-            while time.monotonic() < deadline:
-                self._give_up_if_stopped()
-                time.sleep(0.05)
-            raise
+        except RuntimeError as error:
+            self._raise_attributed(error)
         return pending.result()
+
+    def _negotiate(self, notice: Notice | None) -> Decision:
+        """The cycle's exchange with rank 0 (:meth:`Negotiator.negotiate`), whose failure
+        is attributed as the AND's is."""
+        try:
+            return self.negotiation.negotiate(notice)
+        except RuntimeError as error:
+            self._raise_attributed(error)
+
+    def _raise_attributed(self, error: RuntimeError) -> NoReturn:
+        """An exchange with the other ranks failed on this rank (gloo: a peer's connection
+        closed). Its error names an address, not a rank: the watchdog usually names the
+        rank that died (or a peer's alarm says why it left) within moments, so the engine
+        gives up with that reason once it has one, and raises ``error`` only after
+        :data:`ATTRIBUTION_S` without."""
+        deadline = time.monotonic() + ATTRIBUTION_S
+        while time.monotonic() < deadline:
+            self._give_up_if_stopped()
+            time.sleep(0.05)
+        raise error
 
     def _give_up_if_stopped(self) -> None:
         """Between two waits for the other ranks: takes in a peer's alarm where no other

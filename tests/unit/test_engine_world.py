@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -595,6 +596,51 @@ def test_a_failed_bitwise_and_that_nobody_explains_ends_the_job(
             assert info.value.rank == 0 and "Connection closed by peer" in str(info.value)
     finally:
         job.close()
+
+
+class _ResetNegotiation:
+    """A negotiation whose exchange with rank 0 fails as gloo's does once a peer that
+    agreed the cycle's AND dies before the gather: the error names an address."""
+
+    def negotiate(self, notice: object) -> None:
+        raise RuntimeError("Read error [127.0.0.1]:60122: Connection reset by peer")
+
+
+def _negotiating_loop() -> tuple[loop.EngineLoop, SimpleNamespace]:
+    """An engine loop with only what its exchange with rank 0 uses, and its lifecycle."""
+    engine_loop = object.__new__(loop.EngineLoop)
+    engine_loop.negotiation = _ResetNegotiation()  # type: ignore[assignment]
+    engine_loop.control = SimpleNamespace(threads_multiple=True)  # type: ignore[assignment]
+    lifecycle = SimpleNamespace(error=None)
+    engine_loop.lifecycle = lifecycle  # type: ignore[assignment]
+    return engine_loop, lifecycle
+
+
+def test_a_failed_negotiation_waits_for_the_watchdog_to_name_the_lost_peer() -> None:
+    engine_loop, lifecycle = _negotiating_loop()
+    named = threading.Timer(
+        0.2, lambda: setattr(lifecycle, "error", PeerFailureError(1, "its process is gone"))
+    )
+    named.start()
+    started = time.monotonic()
+    try:
+        # The engine gives up with the watchdog's reason, as after a failed AND.
+        with pytest.raises(loop._Abandoned):
+            engine_loop._negotiate(None)
+    finally:
+        named.cancel()
+    assert 0.2 <= time.monotonic() - started < loop.ATTRIBUTION_S
+
+
+def test_a_failed_negotiation_that_nobody_explains_raises_its_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(loop, "ATTRIBUTION_S", 0.2)
+    engine_loop, _ = _negotiating_loop()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        engine_loop._negotiate(None)
+    assert time.monotonic() - started >= 0.2
 
 
 def _wait_for(condition: object, timeout_s: float = 5.0) -> None:
