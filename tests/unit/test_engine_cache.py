@@ -220,3 +220,57 @@ def test_a_rank_far_ahead_looks_up_no_more_than_its_runs_need() -> None:
         first_hundred = sum(1 << slot for slot in window.slots[:100])
         window.take_run(first_hundred)
     assert window.lookups_max == LOOKUPS_MIN
+
+
+def _looked_up(window: UnnamedWindow, cache: ResponseCache) -> tuple[int | None, list[int]]:
+    stale = window.look_up(cache)
+    return stale, list(window.slots)
+
+
+def test_a_position_that_hit_before_hits_the_same_slot_as_a_full_lookup() -> None:
+    cache = _unnamed_cache(8)
+    window = UnnamedWindow(1024)
+    slots = []
+    for first in (0, 8, 16):  # the same burst three times: full lookups, then remembered
+        _wait_unnamed(window, first, 8)
+        stale, found = _looked_up(window, cache)
+        assert stale is None
+        slots.append(found)
+        window.take_run((1 << 1024) - 1)
+    fresh = UnnamedWindow(1024)  # nothing remembered: every position looked up by its key
+    _wait_unnamed(fresh, 0, 8)
+    assert _looked_up(fresh, cache) == (None, slots[0])
+    assert slots[1] == slots[2] == slots[0]
+
+
+def test_a_remembered_slot_is_not_trusted_once_another_entry_holds_it() -> None:
+    cache = _unnamed_cache(2)
+    window = UnnamedWindow(1024)
+    _wait_unnamed(window, 0, 2)
+    assert _looked_up(window, cache) == (None, [0, 1])
+    window.take_run((1 << 1024) - 1)
+    # Position 1's entry goes, and a named response takes its slot: the next request at
+    # position 1 misses, as a full lookup of its key would.
+    cache.evict(1)
+    cache.put(_response("allreduce.named"), request_signature(_UNNAMED), member=True)
+    assert cache.lookup(0, "allreduce.named", request_signature(_UNNAMED))[1] == 1
+    _wait_unnamed(window, 2, 2)
+    assert _looked_up(window, cache) == (None, [0])
+
+
+def test_a_remembered_position_with_another_signature_is_looked_up_by_its_key() -> None:
+    cache = _unnamed_cache(1)
+    window = UnnamedWindow(1024)
+    _wait_unnamed(window, 0, 1)
+    assert _looked_up(window, cache) == (None, [0])
+    window.take_run((1 << 1024) - 1)
+    # Same position, another scale: not the remembered entry's signature. Its key differs
+    # too, so it misses (a different field of the signature, the call site, would find the
+    # entry stale instead).
+    scaled = _UNNAMED._replace(key="noname.1", name="allreduce.noname.1", prescale=0.5)
+    window.add(Request(scaled, [], None))
+    assert _looked_up(window, cache) == (None, [])
+    window.take_all()
+    sited = _UNNAMED._replace(key="noname.1", name="allreduce.noname.1", site="train.py:7")
+    window.add(Request(sited, [], None))
+    assert _looked_up(window, cache) == (0, [])

@@ -53,6 +53,7 @@ from baguahvd.engine.execution.completion import (
     Outcome,
     deliver,
     keep_named,
+    succeeded,
 )
 from baguahvd.engine.messages import OpType, build_response
 from baguahvd.engine.process_sets import ProcessSetRegistry, ProcessSetState
@@ -368,7 +369,7 @@ class Dispatcher:
                 comm, unit, run.buffers, phase, self.submissions.user_device, split=run.split,
                 copied=self.fusion_bytes, started=run.started,
             )
-            return [Outcome(request, request.outputs) for request in requests]
+            return succeeded(requests)
         if op == OpType.BARRIER:
             comm.barrier()
         elif op == OpType.ADD_PROCESS_SET:

@@ -23,7 +23,7 @@ import dataclasses
 import enum
 import heapq
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 from baguahvd.engine.messages import (
     DATA_OPS,
@@ -98,7 +98,7 @@ class Lookup(enum.Enum):
 
 
 @dataclasses.dataclass
-class _Entry:
+class CacheEntry:
     key: Hashable
     response: Response
     signature: tuple[object, ...] | None
@@ -110,7 +110,10 @@ class ResponseCache:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[int, CacheEntry] = {}
+        self.entry_at: Callable[[int], CacheEntry | None] = self._entries.get
+        """The entry in a slot, if any: the same object until it is evicted (entries are
+        never changed), so a caller may keep it to see whether a slot still holds it."""
         self._slots: dict[tuple[int, Hashable], int] = {}
         self._recent: OrderedDict[int, None] = OrderedDict()
         self._free = list(range(capacity))
@@ -157,7 +160,7 @@ class ResponseCache:
             self.evict(oldest)
             evicted.append(oldest)
         slot = heapq.heappop(self._free)
-        self._entries[slot] = _Entry(ident[1], response, signature)
+        self._entries[slot] = CacheEntry(ident[1], response, signature)
         self._slots[ident] = slot
         self._recent[slot] = None
         if member:

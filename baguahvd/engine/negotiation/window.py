@@ -25,6 +25,7 @@ from baguahvd.engine.messages import (
     unnamed_number,
 )
 from baguahvd.engine.negotiation.cache import (
+    CacheEntry,
     Lookup,
     ResponseCache,
     cache_key,
@@ -52,9 +53,15 @@ class UnnamedWindow:
 
     def __init__(self, capacity: int) -> None:
         self.requests: list[Request] = []
-        self._described: list[tuple[int, tuple[object, ...], tuple[object, ...]]] = []
-        """Per request: its number, its cache key but the position, and its signature (a
-        request may be looked up in several cycles: each lookup only adds the position)."""
+        self._described: list[tuple[int, tuple[object, ...], RequestMeta]] = []
+        """Per request: its number, its signature and its description (a request may be
+        looked up in several cycles)."""
+        self._hits: dict[int, tuple[int, CacheEntry]] = {}
+        """The slot and entry each position last hit. A request whose signature is the
+        entry's, while that entry still holds the slot, has the key the entry was found
+        under (the key is made of fields of the signature), so it hits the same slot
+        without a key being built and hashed: a recurring burst looks itself up at the cost
+        of a signature comparison per request."""
         self.slots: list[int] = []
         """The slot of each request from the oldest on, as far as they hit in this cycle's
         lookup (:meth:`look_up`)."""
@@ -74,9 +81,7 @@ class UnnamedWindow:
         """Queues a new unnamed allreduce or broadcast of the global set after the others."""
         meta = request.meta
         self.requests.append(request)
-        self._described.append(
-            (unnamed_number(meta.key), unnamed_described(meta), unnamed_signature(meta))
-        )
+        self._described.append((unnamed_number(meta.key), unnamed_signature(meta), meta))
 
     def look_up(self, cache: ResponseCache) -> int | None:
         """Starts a cycle (every rank, every cycle: the positions of the cycle's responses
@@ -87,12 +92,28 @@ class UnnamedWindow:
         slots: list[int] = []
         self.slots = slots
         lookup = cache.lookup
+        entry_at = cache.entry_at
         hit = Lookup.HIT
-        for number, described, signature in self._described[: self.lookups_max]:
-            found, slot = lookup(GLOBAL_PROCESS_SET_ID, described + (number - base,), signature)
+        hits = self._hits
+        for number, signature, meta in self._described[: self.lookups_max]:
+            position = number - base
+            known = hits.get(position)
+            if known is not None:
+                slot, entry = known
+                if entry_at(slot) is entry and entry.signature == signature:
+                    slots.append(slot)
+                    continue
+            found, slot = lookup(
+                GLOBAL_PROCESS_SET_ID, (*unnamed_described(meta), position), signature
+            )
             if found is not hit:
                 return slot if found is Lookup.STALE else None
             slots.append(slot)
+            if len(hits) >= self._lookups_cap:
+                hits.clear()
+            found_entry = entry_at(slot)
+            if found_entry is not None:  # a hit's slot holds its entry
+                hits[position] = (slot, found_entry)
         return None
 
     def take_run(self, ready: int) -> tuple[int, dict[int, Request]]:
