@@ -178,7 +178,9 @@ class EngineLoop:
         now = time.monotonic()
         if self.inspector.due(now) and (stall := negotiation.check_stalls(now)) is not None:
             lifecycle.announce(stall)
-        words = negotiation.announcement(notice, busy=len(self.dispatch.pending) > 0)
+        # Units still running do not keep the job from pausing: the pause's wait completes
+        # them as they finish, and a cycle during one only waits behind its bytes.
+        words = negotiation.announcement(notice)
         # From here until the cycle ends, ranks are in the middle of the same exchange.
         lifecycle.begin_cycle()
         agreed = self._bitwise_and(words)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
+from baguahvd.backends.base import Communicator, Started
 from baguahvd.common.exceptions import (
     HorovodInternalError,
     MismatchError,
@@ -386,6 +388,73 @@ def test_the_idle_pause_keeps_the_cycle_time_while_a_rank_waits_for_the_others(
         assert clock.pauses(rank, since)[:10] == [base] * 10
     late = [_allreduce(job.engines[r], torch.ones(1), "early") for r in (1, 2)]
     assert [_result(h).item() for h in (pending, *late)] == [3.0, 3.0, 3.0]
+
+
+class _Gated(Started):
+    """An allreduce carried by a thread of its own, once the test opens the gate."""
+
+    def __init__(self, run: Callable[[], None], gate: threading.Event) -> None:
+        self.error: BaseException | None = None
+
+        def carry() -> None:
+            gate.wait()
+            try:
+                run()
+            except BaseException as exc:  # noqa: BLE001 - raised by test() and wait()
+                self.error = exc
+
+        self._thread = threading.Thread(target=carry, daemon=True)
+        self._thread.start()
+
+    def test(self) -> bool:
+        if self._thread.is_alive():
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def wait(self) -> None:
+        self._thread.join()
+        self.test()
+
+
+class _Launching:
+    """A rank's data communicator whose allreduces are started on threads of their own, as
+    gloo's are, and held until ``gate`` is set; its other collectives are the inner one's."""
+
+    launches_allreduce = True
+
+    def __init__(self, inner: Communicator, gate: threading.Event) -> None:
+        self.inner, self.gate = inner, gate
+        self.rank, self.size = inner.rank, inner.size
+
+    def start_allreduce(
+        self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp
+    ) -> Started:
+        return _Gated(lambda: self.inner.allreduce(tensor_in, tensor_out, op), self.gate)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_units_still_running_leave_the_job_idle_and_complete_during_its_pause(job: Job) -> None:
+    # Every rank's allreduce is agreed and started, then held on the transport's threads:
+    # nothing is left to negotiate, so the cycles are idle and the pause grows; the units
+    # complete in the pause's wait once the transport lets them finish.
+    gate = threading.Event()
+    for engine in job.engines:
+        state = engine.process_sets[GLOBAL_PROCESS_SET_ID]
+        state.comm = _Launching(state.comm, gate)
+    handles = [
+        _allreduce(engine, torch.full((4,), float(rank + 1)), "held", fuse=False)
+        for rank, engine in enumerate(job.engines)
+    ]
+    negotiations = [engine._loop.negotiation for engine in job.engines]
+    _wait_for(lambda: all(n.idle_cycles >= 4 for n in negotiations))
+    assert not any(handle.done() for handle in handles)
+    gate.set()
+    for handle in handles:
+        assert torch.equal(_result(handle), torch.full((4,), 6.0))
 
 
 def test_jobs_with_process_sets_keep_the_cycle_time_while_idle(

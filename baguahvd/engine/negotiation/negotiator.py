@@ -175,9 +175,8 @@ class Negotiator:
 
     # -- the cycle --------------------------------------------------------------------------
 
-    def announcement(self, notice: Notice | None, busy: bool = False) -> np.ndarray:
-        """This rank's byte vector for the cycle's bitwise AND (see module docstring);
-        ``busy``: this rank has collectives running that the engine waits for."""
+    def announcement(self, notice: Notice | None) -> np.ndarray:
+        """This rank's byte vector for the cycle's bitwise AND (see module docstring)."""
         span = self._span
         window = self.unnamed_window
         stale = window.look_up(self.cache)
@@ -195,7 +194,7 @@ class Negotiator:
             valid = (self._all_slots & ~invalid).to_bytes(span, "little")
             self.stale_slots.clear()
         flags = 0xFF
-        if busy or notice is not None or self.in_flight():
+        if notice is not None or self.in_flight():
             flags &= ~FLAG_IDLE
         if self.to_send or notice is not None or self.proposal is not None:
             flags &= ~FLAG_NOTHING_TO_SEND
