@@ -1,16 +1,21 @@
-"""Build hook: ships the CUDA sources inside the package as ``baguahvd/_csrc``.
+"""Build hooks: ships the CUDA sources inside the package as ``baguahvd/_csrc``, and builds
+the host copy extension where a C compiler is there.
 
 All metadata lives in setup.cfg. The kernels are compiled at run time by NVRTC (through
 CuPy), so a wheel only needs the ``csrc/*.cu`` and ``csrc/*.cuh`` text next to the Python
 code; ``baguahvd.kernels.sources`` looks for ``baguahvd/_csrc`` first and falls back to the
 repository's ``csrc/`` for editable installs and source checkouts.
+
+``csrc/host_copy.c`` becomes ``baguahvd.kernels._host_copy`` (the copies of a fused CPU
+allreduce in one call). It is optional: without a compiler, or if it fails to build, the
+install goes on and ``baguahvd.kernels.host_copy`` copies with torch instead.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 CSRC = Path(__file__).resolve().parent / "csrc"
@@ -44,4 +49,11 @@ class BuildPyWithCudaSources(build_py):
         return outputs
 
 
-setup(cmdclass={"build_py": BuildPyWithCudaSources})
+HOST_COPY = Extension(
+    "baguahvd.kernels._host_copy",
+    sources=["csrc/host_copy.c"],
+    extra_compile_args=["-O2"],
+    optional=True,
+)
+
+setup(cmdclass={"build_py": BuildPyWithCudaSources}, ext_modules=[HOST_COPY])

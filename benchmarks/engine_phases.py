@@ -38,6 +38,7 @@ from baguahvd.backends.mpi import communicator
 from baguahvd.engine import intake, loop
 from baguahvd.engine.execution import completion, dispatch, execute, fusion
 from baguahvd.engine.negotiation import negotiator
+from baguahvd.kernels import host_copy
 
 _spent: collections.Counter[str] = collections.Counter()
 
@@ -104,7 +105,12 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=100, help="timed bursts")
     parser.add_argument("--warmup", type=int, default=10, help="untimed bursts")
     parser.add_argument("--unnamed", action="store_true", help="submit without names")
+    parser.add_argument("--torch-copies", action="store_true",
+                        help="copy out of the fusion buffer with torch even where the host "
+                        "copy extension is built")
     args = parser.parse_args()
+    if args.torch_copies:
+        host_copy._native = None
     labels = _instrument()
     hvd.init()
     tensors = [torch.ones(args.bytes // 4) for _ in range(args.count)]
@@ -125,8 +131,9 @@ def main() -> None:
             spans.append((submitted - start, first - submitted, time.perf_counter() - first))
             steps.append(dict(_spent))
     kind = "unnamed" if args.unnamed else "named"
-    lines = [f"rank {hvd.rank()}: {args.count} {kind} x {args.bytes} B, median of "
-             f"{args.bursts} bursts, ms"]
+    copies = "extension" if host_copy.native() else "torch"
+    lines = [f"rank {hvd.rank()}: {args.count} {kind} x {args.bytes} B, copies by {copies}, "
+             f"median of {args.bursts} bursts, ms"]
     for index, span in enumerate(["submissions", "first handle", "other handles"]):
         lines.append(f"  {span:<18} {1e3 * statistics.median(s[index] for s in spans):7.3f}")
     for label in labels:

@@ -6,7 +6,9 @@ each way by the calls torch offers, on one thread of one process.
 Copy-in: ``torch._foreach_copy_(views, tensors)`` (one call for any shapes),
 ``torch.cat(tensors, out=buffer)`` (one call, flat tensors only) and a ``copy_`` per tensor.
 Copy-out: ``torch._foreach_copy_(tensors, views)``, ``torch.split_with_sizes_copy(buffer,
-sizes, out=tensors)`` and a ``copy_`` per tensor. Each is timed warm (the same copy again
+sizes, out=tensors)`` and a ``copy_`` per tensor. Each way also by the extension built
+from ``csrc/host_copy.c`` (``baguahvd.kernels.host_copy``), where it is built: what the
+engine uses then. Each is timed warm (the same copy again
 at once) and cold (after writing 64 MB elsewhere, as the engine finds the users' tensors
 after a backward pass). Medians in microseconds; every repetition runs every variant once,
 in the same order.
@@ -20,6 +22,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from baguahvd.kernels import host_copy
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20}
 
@@ -36,7 +40,7 @@ def _variants(count: int, each: int) -> dict[str, Callable[[], object]]:
     buffer = torch.empty(count * (each // 4))
     sizes = [each // 4] * count
     views = list(buffer.split(sizes))
-    return {
+    variants: dict[str, Callable[[], object]] = {
         "in: _foreach_copy_": lambda: torch._foreach_copy_(views, tensors),
         "in: cat(out=buffer)": lambda: torch.cat(tensors, out=buffer),
         "in: copy_ per tensor": lambda: [v.copy_(t) for v, t in zip(views, tensors)],
@@ -45,6 +49,11 @@ def _variants(count: int, each: int) -> dict[str, Callable[[], object]]:
             buffer, sizes, out=tensors),
         "out: copy_ per tensor": lambda: [t.copy_(v) for v, t in zip(views, tensors)],
     }
+    if host_copy.native():
+        variants["in: host_copy extension"] = lambda: host_copy.gather(
+            tensors, buffer, views, flat=False)
+        variants["out: host_copy extension"] = lambda: host_copy.scatter(buffer, views, tensors)
+    return variants
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ from baguahvd.engine.buffers import ByteCount, FusionBuffers
 from baguahvd.engine.execution.scaling import scale_, scaled
 from baguahvd.engine.messages import DTYPES, Response
 from baguahvd.engine.requests import Entry, Request
+from baguahvd.kernels import host_copy
 
 
 def numel(shape: Sequence[int]) -> int:
@@ -154,10 +155,9 @@ def allreduce(
     buffer, views = buffers.views(dtype, inputs[0].device, shapes, host)
     nbytes = buffer.numel() * buffer.element_size()
     # One call each way rather than a copy per tensor: fewer GIL round trips while the
-    # training thread is busy submitting. Flat CPU tensors go in by torch.cat, which costs
-    # about 0.3 us less per tensor (benchmarks/README.md, "Copy-in").
-    if host and all(len(shape) == 1 for shape in shapes):
-        torch.cat(inputs, out=buffer)
+    # training thread is busy submitting (host_copy: torch.cat, or a memcpy per tensor).
+    if host:
+        host_copy.gather(inputs, buffer, views, all(len(shape) == 1 for shape in shapes))
     else:
         _copy_all(views, inputs)
     if copied is not None:
@@ -213,7 +213,10 @@ def _copy_out(
 ) -> None:
     """The copy out of a fused allreduce's ``buffer`` into the users' ``outputs``."""
     phase("MEMCPY_OUT_FUSION_BUFFER")
-    _copy_all(outputs, views)
+    if buffer.is_cpu:
+        host_copy.scatter(buffer, views, outputs)
+    else:
+        _copy_all(outputs, views)
     if copied is not None:
         copied.add(buffer.numel() * buffer.element_size())
 
