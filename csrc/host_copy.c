@@ -130,6 +130,7 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     if (pieces == NULL) return NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
+        if (pieces[i].nbytes == 0) continue;  /* an empty tensor's address may be null */
         memcpy(buffer, pieces[i].address, (size_t)pieces[i].nbytes);
         buffer += pieces[i].nbytes;
     }
@@ -148,6 +149,7 @@ static PyObject *scatter(PyObject *self, PyObject *args) {
     if (pieces == NULL) return NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
+        if (pieces[i].nbytes == 0) continue;
         memcpy(pieces[i].address, buffer, (size_t)pieces[i].nbytes);
         buffer += pieces[i].nbytes;
     }
