@@ -5,6 +5,12 @@ Each test trains the same model twice from the same seeds, once with buckets
 parameters and gradients bit for bit: a bucket sums each gradient elementwise exactly as
 the per-tensor request does. The first step of the bucketed run records the order of the
 gradients and builds the buckets, so every test runs several steps.
+
+One exception: gloo's ring allreduce over three ranks or more adds each element's
+contributions in an order that depends on where the element falls in the buffer, so a
+gradient reduced inside a bucket is rounded differently from the same gradient reduced
+alone (Horovod's fusion buffer on gloo does the same). There the results must agree to
+float32 rounding instead.
 """
 
 from __future__ import annotations
@@ -170,12 +176,25 @@ def train(
     return model, optimizer
 
 
+def _order_depends_on_layout() -> bool:
+    """Whether the data plane's summation order depends on a tensor's place in the buffer
+    (gloo's ring at three ranks or more; see the module docstring)."""
+    assert runtime.config is not None
+    return hvd.size() > 2 and runtime.config.cpu_backend == "gloo"
+
+
+def _same(first: torch.Tensor, second: torch.Tensor) -> bool:
+    if _order_depends_on_layout() and first.dtype.is_floating_point:
+        return torch.allclose(first, second, rtol=1e-5, atol=1e-6)
+    return torch.equal(first, second)
+
+
 def assert_identical(first: nn.Module, second: nn.Module) -> None:
     for (name, p), q in zip(first.named_parameters(), second.parameters()):
-        assert torch.equal(p, q), name
+        assert _same(p, q), name
         assert (p.grad is None) == (q.grad is None), name
         if p.grad is not None and q.grad is not None:
-            assert torch.equal(p.grad.to_dense(), q.grad.to_dense()), name
+            assert _same(p.grad.to_dense(), q.grad.to_dense()), name
 
 
 def compare(monkeypatch: pytest.MonkeyPatch, rank: int, **kwargs: Any) -> torch.optim.Optimizer:
