@@ -7,7 +7,7 @@
  *
  * gather(tensors, address, nbytes): copies the tensors' bytes one after the other to the
  *     buffer at `address`, `nbytes` long.
- * scatter(address, nbytes, tensors): copies consecutive pieces of that buffer into the
+ * scatter(tensors, address, nbytes): copies consecutive pieces of that buffer into the
  *     tensors.
  *
  * Every tensor must be a contiguous CPU tensor, and together they must fit the buffer;
@@ -120,45 +120,42 @@ static int parse_buffer(PyObject *address_object, Py_ssize_t nbytes, char **addr
     return 0;
 }
 
-static PyObject *gather(PyObject *self, PyObject *args) {
+/* Copies between the tensors and the buffer: into it (gather) or out of it (scatter). */
+static PyObject *copy_pieces(PyObject *args, const char *format, int into_buffer) {
     PyObject *tensors, *address_object;
     Py_ssize_t nbytes, count;
     char *buffer;
-    if (!PyArg_ParseTuple(args, "OOn:gather", &tensors, &address_object, &nbytes)) return NULL;
+    if (!PyArg_ParseTuple(args, format, &tensors, &address_object, &nbytes)) return NULL;
     if (parse_buffer(address_object, nbytes, &buffer) < 0) return NULL;
     Piece *pieces = pieces_of(tensors, nbytes, &count);
     if (pieces == NULL) return NULL;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
-        if (pieces[i].nbytes == 0) continue;  /* an empty tensor's address may be null */
-        memcpy(buffer, pieces[i].address, (size_t)pieces[i].nbytes);
-        buffer += pieces[i].nbytes;
+        size_t length = (size_t)pieces[i].nbytes;
+        if (length == 0) continue;  /* an empty tensor's address may be null */
+        if (into_buffer)
+            memcpy(buffer, pieces[i].address, length);
+        else
+            memcpy(pieces[i].address, buffer, length);
+        buffer += length;
     }
     Py_END_ALLOW_THREADS
     PyMem_Free(pieces);
     Py_RETURN_NONE;
+}
+
+static PyObject *gather(PyObject *self, PyObject *args) {
+    (void)self;
+    return copy_pieces(args, "OOn:gather", 1);
 }
 
 static PyObject *scatter(PyObject *self, PyObject *args) {
-    PyObject *tensors, *address_object;
-    Py_ssize_t nbytes, count;
-    char *buffer;
-    if (!PyArg_ParseTuple(args, "OnO:scatter", &address_object, &nbytes, &tensors)) return NULL;
-    if (parse_buffer(address_object, nbytes, &buffer) < 0) return NULL;
-    Piece *pieces = pieces_of(tensors, nbytes, &count);
-    if (pieces == NULL) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++) {
-        if (pieces[i].nbytes == 0) continue;
-        memcpy(pieces[i].address, buffer, (size_t)pieces[i].nbytes);
-        buffer += pieces[i].nbytes;
-    }
-    Py_END_ALLOW_THREADS
-    PyMem_Free(pieces);
-    Py_RETURN_NONE;
+    (void)self;
+    return copy_pieces(args, "OOn:scatter", 0);
 }
 
 static PyObject *bind(PyObject *self, PyObject *args) {
+    (void)self;
     PyObject *data_ptr, *is_contiguous, *nbytes, *is_cpu;
     if (!PyArg_ParseTuple(args, "OOOO:bind", &data_ptr, &is_contiguous, &nbytes, &is_cpu))
         return NULL;
@@ -188,7 +185,7 @@ static PyMethodDef methods[] = {
      "gather(tensors, address, nbytes): the tensors' bytes, one after the other, into the "
      "buffer at address."},
     {"scatter", scatter, METH_VARARGS,
-     "scatter(address, nbytes, tensors): consecutive pieces of the buffer at address into "
+     "scatter(tensors, address, nbytes): consecutive pieces of the buffer at address into "
      "the tensors."},
     {NULL, NULL, 0, NULL},
 };

@@ -50,7 +50,7 @@ def gather(tensors: list[torch.Tensor], buffer: torch.Tensor, views: list[torch.
     elif _native is not None:
         _native.gather(tensors, buffer.data_ptr(), buffer.nbytes)
     else:
-        _foreach_copy(views, tensors)
+        copy_all(views, tensors)
 
 
 def scatter(buffer: torch.Tensor, views: list[torch.Tensor],
@@ -58,12 +58,14 @@ def scatter(buffer: torch.Tensor, views: list[torch.Tensor],
     """Copies consecutive pieces of the flat CPU ``buffer`` into ``tensors``; ``views``
     as for :func:`gather`."""
     if _native is not None:
-        _native.scatter(buffer.data_ptr(), buffer.nbytes, tensors)
+        _native.scatter(tensors, buffer.data_ptr(), buffer.nbytes)
     else:
-        _foreach_copy(tensors, views)
+        copy_all(tensors, views)
 
 
-def _foreach_copy(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+def copy_all(targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+    """Copies each of ``sources`` into the target beside it, tensors on any device, in one
+    torch call (``_foreach_copy_``, or a ``copy_`` each where torch lacks it)."""
     copy = getattr(torch, "_foreach_copy_", None)
     if copy is not None:
         copy(targets, sources)

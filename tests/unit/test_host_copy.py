@@ -85,7 +85,7 @@ def test_the_extension_refuses_before_it_copies(bad: str) -> None:
     assert buffer.abs().sum() == 0  # nothing was copied, not even the good tensor
     outputs = [torch.zeros(4), others[bad]]
     with pytest.raises(error):
-        EXTENSION.scatter(torch.ones(8).data_ptr(), 32, outputs)
+        EXTENSION.scatter(outputs, torch.ones(8).data_ptr(), 32)
     assert outputs[0].abs().sum() == 0
 
 

@@ -20,6 +20,7 @@ from baguahvd.engine.execution.scaling import scale_, scaled
 from baguahvd.engine.messages import DTYPES, Response
 from baguahvd.engine.requests import Entry, Request
 from baguahvd.kernels import host_copy
+from baguahvd.kernels.host_copy import copy_all
 
 
 def numel(shape: Sequence[int]) -> int:
@@ -119,7 +120,7 @@ def allreduce(
                 adasum(comm, tensor_in, result, first.meta.prescale, first.meta.postscale)
                 targets.append(tensor_out)
                 results.append(result)
-        return (lambda: _copy_all(targets, results)) if split else None
+        return (lambda: copy_all(targets, results)) if split else None
     op, pre, post = _factors(first, comm)
     inputs: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []
@@ -159,7 +160,7 @@ def allreduce(
     if host:
         host_copy.gather(inputs, buffer, views, all(len(shape) == 1 for shape in shapes))
     else:
-        _copy_all(views, inputs)
+        copy_all(views, inputs)
     if copied is not None:
         copied.add(nbytes)
     scale_(buffer, pre)
@@ -216,7 +217,7 @@ def _copy_out(
     if buffer.is_cpu:
         host_copy.scatter(buffer, views, outputs)
     else:
-        _copy_all(outputs, views)
+        copy_all(outputs, views)
     if copied is not None:
         copied.add(buffer.numel() * buffer.element_size())
 
@@ -233,15 +234,6 @@ def _reduce_scaled(
 
 def _no_phase(activity: str) -> None:
     pass
-
-
-def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    copy = getattr(torch, "_foreach_copy_", None)
-    if copy is not None:
-        copy(targets, sources)
-    else:
-        for target, source in zip(targets, sources):
-            target.copy_(source)
 
 
 def adasum(
