@@ -5,8 +5,8 @@ tensor comes back out, by the extension built from ``csrc/host_copy.c`` where se
 could build it (a C compiler was there): one call checks every tensor (a contiguous CPU
 tensor, all of them within the buffer) and then copies them by ``memcpy`` without the GIL.
 Without it, ``torch._foreach_copy_`` copies them between the tensors and views of the
-buffer, at about 0.8 us a tensor besides the bytes, 0.2--0.5 us more than the extension
-(``benchmarks/README.md``, "Host copies").
+buffer, which costs about 0.4--0.8 us a tensor more than the extension at 4--16 KB a
+tensor (``benchmarks/README.md``, "Host copies").
 """
 
 from __future__ import annotations

@@ -53,9 +53,9 @@ class UnnamedWindow:
 
     def __init__(self, capacity: int) -> None:
         self.requests: list[Request] = []
-        self._described: list[tuple[int, tuple[object, ...], RequestMeta]] = []
-        """Per request: its number, its signature and its description (a request may be
-        looked up in several cycles)."""
+        self._lookups: list[tuple[int, tuple[object, ...], RequestMeta]] = []
+        """Per request, what its lookup takes: its number, its signature and its
+        description (a request may be looked up in several cycles)."""
         self._hits: dict[int, tuple[int, CacheEntry]] = {}
         """The slot and entry each position last hit. A request whose signature is the
         entry's, while that entry still holds the slot, has the key the entry was found
@@ -81,7 +81,7 @@ class UnnamedWindow:
         """Queues a new unnamed allreduce or broadcast of the global set after the others."""
         meta = request.meta
         self.requests.append(request)
-        self._described.append((unnamed_number(meta.key), unnamed_signature(meta), meta))
+        self._lookups.append((unnamed_number(meta.key), unnamed_signature(meta), meta))
 
     def look_up(self, cache: ResponseCache) -> int | None:
         """Starts a cycle (every rank, every cycle: the positions of the cycle's responses
@@ -95,7 +95,7 @@ class UnnamedWindow:
         entry_at = cache.entry_at
         hit = Lookup.HIT
         hits = self._hits
-        for number, signature, meta in self._described[: self.lookups_max]:
+        for number, signature, meta in self._lookups[: self.lookups_max]:
             position = number - base
             known = hits.get(position)
             if known is not None:
@@ -133,7 +133,7 @@ class UnnamedWindow:
         if len(run) == self.lookups_max:
             self.lookups_max = min(2 * self.lookups_max, self._lookups_cap)
         del requests[: len(run)]
-        del self._described[: len(run)]
+        del self._lookups[: len(run)]
         self.slots = []
         self.base += len(run)
         return ready, run
@@ -152,5 +152,5 @@ class UnnamedWindow:
     def take_all(self) -> list[Request]:
         """Empties the window (its requests go to rank 0 in full, or the engine stops)."""
         requests, self.requests, self.slots = self.requests, [], []
-        self._described = []
+        self._lookups = []
         return requests
