@@ -12,16 +12,9 @@ import torch
 
 from baguahvd.kernels import host_copy
 
-
-def _extension():  # type: ignore[no-untyped-def]
-    try:
-        from baguahvd.kernels import _host_copy  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return _host_copy
-
-
-EXTENSION = _extension()
+EXTENSION = host_copy._native
+"""The extension as host_copy loaded and bound it (None where it is not built), kept before
+any test swaps it out."""
 
 
 @pytest.fixture(params=["extension", "torch"])

@@ -20,7 +20,6 @@ from baguahvd.engine.execution.scaling import scale_, scaled
 from baguahvd.engine.messages import DTYPES, Response
 from baguahvd.engine.requests import Entry, Request
 from baguahvd.kernels import host_copy
-from baguahvd.kernels.host_copy import copy_all
 
 
 def numel(shape: Sequence[int]) -> int:
@@ -120,7 +119,7 @@ def allreduce(
                 adasum(comm, tensor_in, result, first.meta.prescale, first.meta.postscale)
                 targets.append(tensor_out)
                 results.append(result)
-        return (lambda: copy_all(targets, results)) if split else None
+        return (lambda: host_copy.copy_all(targets, results)) if split else None
     op, pre, post = _factors(first, comm)
     inputs: list[torch.Tensor] = []
     outputs: list[torch.Tensor] = []
@@ -160,7 +159,7 @@ def allreduce(
     if host:
         host_copy.gather(inputs, buffer, views, all(len(shape) == 1 for shape in shapes))
     else:
-        copy_all(views, inputs)
+        host_copy.copy_all(views, inputs)
     if copied is not None:
         copied.add(nbytes)
     scale_(buffer, pre)
@@ -217,7 +216,7 @@ def _copy_out(
     if buffer.is_cpu:
         host_copy.scatter(buffer, views, outputs)
     else:
-        copy_all(outputs, views)
+        host_copy.copy_all(outputs, views)
     if copied is not None:
         copied.add(buffer.numel() * buffer.element_size())
 
