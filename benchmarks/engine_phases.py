@@ -68,6 +68,7 @@ def _instrument() -> list[str]:
         ("run_unit", dispatch.Dispatcher, "run_unit"),
         ("execute", dispatch.Dispatcher, "execute"),
         ("reduce", communicator.MPICommunicator, "_allreduce"),
+        ("release_retries", intake.RequestQueue, "release_retries"),
     ]
     for label, owner, name in steps:
         setattr(owner, name, _timed(label, getattr(owner, name)))
@@ -94,7 +95,8 @@ def _instrument() -> list[str]:
 
     execute.torch.cat = copied_in  # type: ignore[assignment]
     return [label for label, _, _ in steps[:7]] + [
-        "plan", "run_unit", "execute", "copy_in", "reduce", "copy_out", "deliver"
+        "plan", "run_unit", "execute", "copy_in", "reduce", "copy_out", "deliver",
+        "release_retries",
     ]
 
 

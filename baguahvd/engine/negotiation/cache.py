@@ -115,6 +115,8 @@ class ResponseCache:
         """The entry in a slot, if any: the same object until it is evicted (entries are
         never changed), so a caller may keep it to see whether a slot still holds it."""
         self._slots: dict[tuple[int, Hashable], int] = {}
+        self.slot_of: Callable[[tuple[int, Hashable]], int | None] = self._slots.get
+        """The slot cached under (process set, key), if any (a named request's ``ident``)."""
         self._recent: OrderedDict[int, None] = OrderedDict()
         self._free = list(range(capacity))
         self.not_member = 0
