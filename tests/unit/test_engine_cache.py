@@ -3,6 +3,8 @@ eviction, and the one rule for what may be cached."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from baguahvd.engine.messages import OpType, RequestMeta, Response
@@ -274,3 +276,53 @@ def test_a_remembered_position_with_another_signature_is_looked_up_by_its_key() 
     sited = _UNNAMED._replace(key="noname.1", name="allreduce.noname.1", site="train.py:7")
     window.add(Request(sited, [], None))
     assert _looked_up(window, cache) == (0, [])
+
+
+def test_taking_the_same_slots_again_keeps_the_order_every_other_operation_sees() -> None:
+    """take() skips the marking of slots taken again in the last call's order with nothing
+    changed since; a cache that always marks them evicts the same entries, whatever the
+    puts, touches, takes and evictions in between."""
+    rng = random.Random(7)
+
+    def run(skips: bool) -> list[object]:
+        cache = ResponseCache(6)
+        seen: list[object] = []
+        for key in "abcdef":
+            cache.put(_response(key), None, member=True)
+        names = iter(f"k{index}" for index in range(10_000))
+        last: list[int] = []
+        for _ in range(3_000):
+            if not skips:
+                cache._taken = None
+            held = sorted(cache._entries)
+            if last and set(last) <= set(held) and rng.random() < 0.6:
+                slots = last  # the same slots again, as a training loop's cycles take them
+            else:
+                slots = sorted(rng.sample(held, rng.randint(1, min(3, len(held)))))
+            choice = rng.random()
+            if choice < 0.5:
+                seen.append([r.meta.key for r in cache.take(slots)])
+                last = slots
+            elif choice < 0.7:
+                cache.touch(rng.choice(held))
+            elif choice < 0.95:
+                seen.append(("evicted", cache.put(_response(next(names)), None, member=True)))
+            elif len(held) > 1:
+                cache.evict(rng.choice(held))
+        return seen
+
+    state = rng.getstate()
+    skipping = run(skips=True)
+    rng.setstate(state)
+    assert run(skips=False) == skipping
+    assert any(item[0] == "evicted" and item[1] for item in skipping if isinstance(item, tuple))
+
+
+def test_a_slot_evicted_since_the_last_take_is_not_taken_again() -> None:
+    cache = ResponseCache(3)
+    for key in "abc":
+        cache.put(_response(key), None, member=True)
+    assert [r.meta.key for r in cache.take([0, 1])] == ["a", "b"]
+    cache.evict(0)
+    with pytest.raises(KeyError):
+        cache.take([0, 1])
