@@ -42,25 +42,25 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 _MADVISE = _madvise()
 
 
-def empty_huge(count: int, dtype: torch.dtype) -> torch.Tensor:
+def empty_huge(
+    count: int, dtype: torch.dtype, min_bytes: int = HUGE_PAGE_MIN_BYTES
+) -> torch.Tensor:
     """A flat CPU tensor of ``count`` elements on whole huge pages where Linux grants them:
-    the allocation is padded so that the tensor starts on a 2 MB boundary, and advised
-    before it is touched. For long-lived buffers the engine reuses (the fusion buffer):
-    Open MPI's single-copy transfers between ranks read and write them with 512 times fewer
-    page lookups, and a large message on 4 KB pages costs about a third more
-    (``benchmarks/results/shared_memory/NOTES.md``)."""
+    the allocation is padded so that the tensor starts on a 2 MB boundary and ends within
+    whole huge pages, all of them advised before they are touched. For long-lived buffers
+    the engine reuses (the fusion buffer): Open MPI's single-copy transfers between ranks
+    read and write them with 512 times fewer page lookups, and a large message on 4 KB pages
+    costs about a third more (``benchmarks/results/shared_memory/NOTES.md``). Tensors of
+    fewer than ``min_bytes`` bytes are ordinary ones."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = count * itemsize
-    if nbytes < HUGE_PAGE_MIN_BYTES or _MADVISE is None:
+    if nbytes < min_bytes or _MADVISE is None:
         return torch.empty(count, dtype=dtype)
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    span = (nbytes + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
+    raw = torch.empty(span + _HUGE_PAGE, dtype=torch.uint8)
     address = raw.data_ptr()
     offset = -address % _HUGE_PAGE
-    span = (nbytes + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
-    if offset + span <= raw.numel():
-        _MADVISE(address + offset, span, _MADV_HUGEPAGE)
-    else:
-        _MADVISE(address + offset, nbytes // _HUGE_PAGE * _HUGE_PAGE, _MADV_HUGEPAGE)
+    _MADVISE(address + offset, span, _MADV_HUGEPAGE)
     return raw[offset : offset + nbytes].view(dtype)
 
 

@@ -40,14 +40,17 @@ class FusionBuffers:
         self, dtype: torch.dtype, count: int, device: torch.device, host: bool = False
     ) -> torch.Tensor:
         """The buffer of ``dtype`` on ``device``, at least ``count`` long; ``host``: a CPU
-        buffer, allocated on huge pages (see :func:`~baguahvd.backends.memory.empty_huge`)."""
+        buffer, allocated on huge pages whatever its size (see
+        :func:`~baguahvd.backends.memory.empty_huge`): a burst of small tensors fills a
+        buffer of a megabyte or so, which Open MPI reduces in about 0.6 of the time it
+        takes on 4 KB pages (``benchmarks/README.md``, "Huge pages")."""
         buffer = self._buffers.get((dtype, device))
         if buffer is None or buffer.numel() < count:
             # A normal tensor even when the first fused unit runs in inference mode: an
             # inference tensor could not be written by the later units that do not.
             with torch.inference_mode(False):
                 buffer = (
-                    memory.empty_huge(count, dtype)
+                    memory.empty_huge(count, dtype, min_bytes=0)
                     if host
                     else torch.empty(count, dtype=dtype, device=device)
                 )

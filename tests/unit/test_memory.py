@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from baguahvd.backends import memory
+from baguahvd.engine.buffers import FusionBuffers
 
 
 @pytest.mark.parametrize(
@@ -88,6 +89,33 @@ def test_empty_huge_starts_on_a_huge_page_and_advises_all_of_it(
     [(address, length, flag)] = advice.calls
     assert flag == memory._MADV_HUGEPAGE
     assert address == out.data_ptr() and address % (2 << 20) == 0
-    # Every whole huge page; the last, partial one too where the padding holds all of it.
-    whole = out.nbytes // (2 << 20) * (2 << 20)
-    assert length in (whole, whole + (2 << 20))
+    # Every huge page the tensor touches, the last, partial one included.
+    assert length == -(-out.nbytes // (2 << 20)) * (2 << 20)
+
+
+@pytest.mark.parametrize("count", [1, 300 * 1024])
+def test_a_small_tensor_is_on_a_huge_page_of_its_own_when_asked(
+    count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    advice = _Advice()
+    monkeypatch.setattr(memory, "_MADVISE", advice)
+    memory.empty_huge(count, torch.float32)
+    assert advice.calls == []  # below the default threshold: an ordinary tensor
+    out = memory.empty_huge(count, torch.float32, min_bytes=0)
+    [(address, length, flag)] = advice.calls
+    assert (address, length, flag) == (out.data_ptr(), 2 << 20, memory._MADV_HUGEPAGE)
+    out.fill_(2)
+    assert out.shape == (count,) and torch.all(out == 2)
+
+
+def test_the_host_fusion_buffer_is_on_huge_pages_however_small(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    advice = _Advice()
+    monkeypatch.setattr(memory, "_MADVISE", advice)
+    buffers = FusionBuffers()
+    buffer = buffers.get(torch.float32, 1000, torch.device("cpu"), host=True)
+    [(address, length, _)] = advice.calls
+    assert address == buffer.data_ptr() and length == 2 << 20
+    buffers.get(torch.float64, 1000, torch.device("cpu"))  # not a host unit's: ordinary
+    assert len(advice.calls) == 1
