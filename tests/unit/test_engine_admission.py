@@ -32,7 +32,7 @@ def _negotiator(bulk: bool) -> Negotiator:
         meta = _meta(index)
         negotiator.cache.put(build_response([meta], (0,), ()), request_signature(meta), True)
     if not bulk:
-        negotiator._admit_hits = lambda requests: False  # type: ignore[method-assign]
+        negotiator.cache.hits = lambda requests: None  # type: ignore[method-assign]
     return negotiator
 
 
@@ -85,13 +85,13 @@ def test_a_burst_of_hits_waits_on_its_slots_and_sends_nothing() -> None:
 def test_a_burst_that_misses_on_its_last_request_is_filed_one_at_a_time() -> None:
     negotiator = _negotiator(bulk=True)
     taken: list[list[Request]] = []
-    bulk = negotiator._admit_hits
+    bulk = negotiator.cache.hits
 
-    def admit_hits(requests: list[Request]) -> bool:
+    def hits(requests: list[Request]) -> list[int] | None:
         taken.append(requests)
         return bulk(requests)
 
-    negotiator._admit_hits = admit_hits  # type: ignore[method-assign]
+    negotiator.cache.hits = hits  # type: ignore[method-assign]
     requests = [Request(_meta(0), [], None), Request(_meta(1, shapes=((2, 2),)), [], None)]
     negotiator.admit_all(requests)
     assert taken == [requests]  # tried in bulk first ...

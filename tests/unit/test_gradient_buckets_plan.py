@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from baguahvd.backends import memory
 from baguahvd.torch.buckets import (
     BREAK_GAP_S,
     BREAK_MIN_BYTES,
+    HUGE_BUCKET_BYTES,
     SMALL_BUCKET_BYTES,
     GradientBucket,
     adopt,
@@ -123,3 +126,21 @@ def test_buckets_are_held_to_the_bucket_size_below_the_fusion_threshold() -> Non
     assert bucket_threshold(128 * mib, 10 * mib) == 10 * mib
     assert bucket_threshold(4 * mib, 10 * mib) == 4 * mib
     assert bucket_threshold(0, 10 * mib) == 0  # fusion disabled: one parameter per bucket
+
+
+def test_cpu_buckets_from_the_huge_page_size_on_live_on_zeroed_huge_pages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    advised: list[tuple[int, int]] = []
+    monkeypatch.setattr(memory, "_MADVISE",
+                        lambda address, length, advice: advised.append((address, length)) or 0)
+    count = HUGE_BUCKET_BYTES // 4
+    small = GradientBucket(0, ["s"], [torch.zeros(count - 1, requires_grad=True)])
+    assert advised == []  # below the size: an ordinary tensor
+    p, q = torch.zeros(count // 2, requires_grad=True), torch.zeros(count // 2 + 1)
+    large = GradientBucket(1, ["p", "q"], [p, q])
+    [(address, length)] = advised
+    assert address == large.buffer.data_ptr() and address % (2 << 20) == 0
+    assert length == 2 << 20
+    for bucket in (small, large):
+        assert bucket.buffer.dtype == torch.float32 and not bucket.buffer.any()

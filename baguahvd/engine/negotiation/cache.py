@@ -23,7 +23,8 @@ import dataclasses
 import enum
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
+from typing import cast
 
 from baguahvd.engine.messages import (
     DATA_OPS,
@@ -34,6 +35,7 @@ from baguahvd.engine.messages import (
     Response,
     is_unnamed,
 )
+from baguahvd.engine.requests import Request
 
 UNNAMED_CACHEABLE_OPS = frozenset({OpType.ALLREDUCE, OpType.BROADCAST})
 """Unnamed collectives whose response every rank can name from its own request: the same
@@ -139,6 +141,27 @@ class ResponseCache:
         if self._entries[slot].signature == signature:
             return Lookup.HIT, slot
         return Lookup.STALE, slot
+
+    def hits(self, requests: Sequence[Request]) -> list[int] | None:
+        """The slots of ``requests`` when every one is a named hit, as a training loop's
+        recurring burst is, found in a few passes over the whole list instead of a
+        :meth:`lookup` each; None otherwise (then some request misses or is stale, or is
+        not a named data collective).
+
+        A request hits when the slot cached under its ``ident`` holds its own signature (the
+        request's ``meta``, see :meth:`RequestMeta.signature`). Equal signatures also mean
+        the same key and op: only named data collectives are cached under their name, so
+        no unnamed request, nor any op kept out of the cache, passes.
+        """
+        slot_of = self.slot_of
+        if not requests or slot_of(requests[0].ident) is None:  # unnamed or new: miss early
+            return None
+        found = list(map(slot_of, [request.ident for request in requests]))
+        if None in found:
+            return None
+        slots = cast("list[int]", found)
+        signatures = [self._entries[slot].signature for slot in slots]
+        return slots if signatures == [request.meta for request in requests] else None
 
     def response(self, slot: int) -> Response:
         return self._entries[slot].response

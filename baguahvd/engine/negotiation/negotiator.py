@@ -141,7 +141,9 @@ class Negotiator:
         cached = not self.join_mode and self.cache.capacity > 0
         timeline = self.timeline
         traced = timeline is not None and timeline.active
-        if cached and self._admit_hits(requests):
+        hits = self.cache.hits(requests) if cached else None
+        if hits is not None:  # a burst of named hits, looked up in bulk
+            self.waiting_on_cache.update(zip(hits, requests))
             if traced:
                 assert timeline is not None
                 for request in requests:
@@ -175,28 +177,6 @@ class Negotiator:
             if found is Lookup.STALE:
                 self.stale_slots.add(slot)
             self.to_send.append(request)
-
-    def _admit_hits(self, requests: list[Request]) -> bool:
-        """Files ``requests`` as cache hits when every one is a named hit, as a training
-        loop's recurring burst is, in a few passes over the whole list instead of a lookup
-        each; files nothing and returns False otherwise.
-
-        A request hits when the slot cached under its ``ident`` holds its own signature (the
-        request's ``meta``, see :meth:`RequestMeta.signature`). Equal signatures also mean
-        the same key and op: only named data collectives are cached under their name, so no
-        unnamed request, nor any op kept out of the cache, passes.
-        """
-        slot_of = self.cache.slot_of
-        if slot_of(requests[0].ident) is None:  # unnamed, or new: the burst misses early
-            return False
-        slots = list(map(slot_of, [request.ident for request in requests]))
-        if None in slots:
-            return False
-        entries = map(self.cache.entry_at, slots)
-        if [entry.signature for entry in entries] != [request.meta for request in requests]:
-            return False
-        self.waiting_on_cache.update(zip(slots, requests))
-        return True
 
     def _window_to_full(self) -> None:
         self.to_send.extend(self.unnamed_window.take_all())
