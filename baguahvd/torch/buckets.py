@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from baguahvd.backends import memory
+from baguahvd.backends import cuda_support, memory
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.requests import Handle
 from baguahvd.runtime.process_sets import ProcessSet
@@ -226,7 +226,7 @@ class GradientBucket:
         self.name = bucket_name(index, names)
         self.params = tuple(params)
         count = sum(p.numel() for p in params)
-        if first.is_cpu:
+        if not cuda_support.is_cuda(first) and first.device.type == "cpu":
             # Reduced in place every step: on huge pages, as the engine's fusion buffer is.
             self.buffer = memory.empty_huge(count, first.dtype, HUGE_BUCKET_BYTES).zero_()
         else:
