@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from baguahvd.backends import cuda_support, memory
+from baguahvd.backends import memory
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine.requests import Handle
 from baguahvd.runtime.process_sets import ProcessSet
@@ -50,12 +50,6 @@ from baguahvd.torch.mpi_ops import allreduce_, bucket_allreduce_async_
 
 BUCKET_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 """Dtypes whose gradients go into buckets; the others are reduced one by one."""
-
-HUGE_BUCKET_BYTES = 256 << 10
-"""CPU buckets from this size on live on huge pages (:func:`~baguahvd.backends.memory.
-empty_huge`): Open MPI reduces 256 KB of them in three quarters of the time it takes on 4 KB
-pages, 1 MB and more in about half (``benchmarks/huge_pages.py``); a smaller bucket would
-leave most of its 2 MB page unused."""
 
 BUCKET_COMPRESSIONS = (Compression.none, Compression.fp16, Compression.bf16)
 """Compressors that work elementwise, so that compressing a bucket compresses each
@@ -225,12 +219,7 @@ class GradientBucket:
         first = params[0]
         self.name = bucket_name(index, names)
         self.params = tuple(params)
-        count = sum(p.numel() for p in params)
-        if not cuda_support.is_cuda(first) and first.device.type == "cpu":
-            # Reduced in place every step: on huge pages, as the engine's fusion buffer is.
-            self.buffer = memory.empty_huge(count, first.dtype, HUGE_BUCKET_BYTES).zero_()
-        else:
-            self.buffer = torch.zeros(count, dtype=first.dtype, device=first.device)
+        self.buffer = memory.zeros_buffer(sum(p.numel() for p in params), first)
         views = []
         offset = 0
         for p in params:

@@ -9,7 +9,6 @@ from baguahvd.backends import memory
 from baguahvd.torch.buckets import (
     BREAK_GAP_S,
     BREAK_MIN_BYTES,
-    HUGE_BUCKET_BYTES,
     SMALL_BUCKET_BYTES,
     GradientBucket,
     adopt,
@@ -134,7 +133,7 @@ def test_cpu_buckets_from_the_huge_page_size_on_live_on_zeroed_huge_pages(
     advised: list[tuple[int, int]] = []
     monkeypatch.setattr(memory, "_MADVISE",
                         lambda address, length, advice: advised.append((address, length)) or 0)
-    count = HUGE_BUCKET_BYTES // 4
+    count = memory.BUFFER_HUGE_MIN_BYTES // 4
     small = GradientBucket(0, ["s"], [torch.zeros(count - 1, requires_grad=True)])
     assert advised == []  # below the size: an ordinary tensor
     p, q = torch.zeros(count // 2, requires_grad=True), torch.zeros(count // 2 + 1)

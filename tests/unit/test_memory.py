@@ -119,3 +119,23 @@ def test_the_host_fusion_buffer_is_on_huge_pages_however_small(
     assert address == buffer.data_ptr() and length == 2 << 20
     buffers.get(torch.float64, 1000, torch.device("cpu"))  # not a host unit's: ordinary
     assert len(advice.calls) == 1
+
+
+def test_a_reused_buffer_is_zeroed_and_on_huge_pages_from_its_threshold_on(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    advice = _Advice()
+    monkeypatch.setattr(memory, "_MADVISE", advice)
+    like = torch.ones(3, dtype=torch.float64)
+    small = memory.zeros_buffer(memory.BUFFER_HUGE_MIN_BYTES // 8 - 1, like)
+    assert advice.calls == []
+    large = memory.zeros_buffer(memory.BUFFER_HUGE_MIN_BYTES // 8, like)
+    [(address, _, _)] = advice.calls
+    assert address == large.data_ptr()
+    for buffer in (small, large):
+        assert buffer.dtype == torch.float64 and buffer.dim() == 1 and not buffer.any()
+    # A device tensor's buffer is made on its device (here a host tensor the package's CUDA
+    # check calls a device one, as the stream model's are): never advised.
+    monkeypatch.setattr(memory.cuda_support, "is_cuda", lambda tensor: True)
+    memory.zeros_buffer(memory.BUFFER_HUGE_MIN_BYTES, like)
+    assert len(advice.calls) == 1

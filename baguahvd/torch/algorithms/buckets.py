@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from baguahvd.backends import memory
+
 
 class Bucket:
     """Same-dtype tensors and the flat buffer they are communicated through.
@@ -29,7 +31,7 @@ class Bucket:
         self.numel = sum(p.numel() for p in self.params)
         padded = -(-self.numel // alignment) * alignment if alignment > 1 else self.numel
         first = self.params[0]
-        self.flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        self.flat = memory.zeros_buffer(padded, first)
 
     @property
     def dtype(self) -> torch.dtype:
