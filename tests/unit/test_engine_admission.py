@@ -33,6 +33,9 @@ def _negotiator(bulk: bool) -> Negotiator:
         negotiator.cache.put(build_response([meta], (0,), ()), request_signature(meta), True)
     if not bulk:
         negotiator.cache.hits = lambda requests: None  # type: ignore[method-assign]
+        negotiator.unnamed_window.add_all = (  # type: ignore[method-assign]
+            lambda requests, pending: False
+        )
     return negotiator
 
 
@@ -42,20 +45,35 @@ def _filed(negotiator: Negotiator) -> tuple[object, ...]:
         [request.meta for request in negotiator.to_send],
         sorted(negotiator.stale_slots),
         negotiator.unnamed_pending,
+        [(number, meta) for number, _, meta in negotiator.unnamed_window._lookups],
         [request.meta for request in negotiator.unnamed_window.take_all()],
     )
 
 
-BATCHES: dict[str, Callable[[], list[RequestMeta]]] = {
-    "every request hits": lambda: [_meta(i) for i in (3, 0, 5, 1)],
-    "the last one is new": lambda: [_meta(0), _meta(1), _meta(9)],
-    "the first one is new": lambda: [_meta(9), _meta(0)],
-    "one is stale": lambda: [_meta(0), _meta(1, shapes=((5,),)), _meta(2)],
-    "one is a placeholder": lambda: [_meta(0), _meta(1, failure="ValueError: bad")],
-    "one has another op": lambda: [_meta(0), _meta(1, op=OpType.BROADCAST, root=0)],
-    "one is unnamed": lambda: [_meta(0), _meta(1, key="noname.0")],
-    "unnamed first": lambda: [_meta(0, key="noname.0"), _meta(0)],
-    "another process set": lambda: [_meta(0), _meta(1)._replace(process_set_id=1)],
+def _unnamed(number: int, **fields: object) -> RequestMeta:
+    return _meta(0, key=f"noname.{number}", **fields)
+
+
+BATCHES: dict[str, Callable[[], list[list[RequestMeta]]]] = {
+    "every request hits": lambda: [[_meta(i) for i in (3, 0, 5, 1)]],
+    "the last one is new": lambda: [[_meta(0), _meta(1), _meta(9)]],
+    "the first one is new": lambda: [[_meta(9), _meta(0)]],
+    "one is stale": lambda: [[_meta(0), _meta(1, shapes=((5,),)), _meta(2)]],
+    "one is a placeholder": lambda: [[_meta(0), _meta(1, failure="ValueError: bad")]],
+    "one has another op": lambda: [[_meta(0), _meta(1, op=OpType.BROADCAST, root=0)]],
+    "one is unnamed": lambda: [[_meta(0), _unnamed(0)]],
+    "unnamed first": lambda: [[_unnamed(0), _meta(0)]],
+    "another process set": lambda: [[_meta(0), _meta(1)._replace(process_set_id=1)]],
+    "every request unnamed, in two bursts": lambda: [
+        [_unnamed(n) for n in range(4)], [_unnamed(n) for n in range(4, 7)],
+    ],
+    "unnamed, one of another set": lambda: [
+        [_unnamed(0), _unnamed(0)._replace(process_set_id=1), _unnamed(1)],
+    ],
+    "unnamed, one an allgather": lambda: [[_unnamed(0), _unnamed(1, op=OpType.ALLGATHER)]],
+    "unnamed after one sent in full": lambda: [
+        [_unnamed(0, op=OpType.ALLGATHER)], [_unnamed(1), _unnamed(2)],
+    ],
 }
 
 
@@ -64,7 +82,8 @@ def test_a_batch_is_filed_as_one_request_at_a_time_would_file_it(batch: str) -> 
     filed = []
     for bulk in (True, False):
         negotiator = _negotiator(bulk)
-        negotiator.admit_all([Request(meta, [], None) for meta in BATCHES[batch]()])
+        for metas in BATCHES[batch]():
+            negotiator.admit_all([Request(meta, [], None) for meta in metas])
         filed.append(_filed(negotiator))
     assert filed[0] == filed[1]
 

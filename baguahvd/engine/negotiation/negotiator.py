@@ -149,6 +149,9 @@ class Negotiator:
                 for request in requests:
                     timeline.negotiation_started(request.meta.name, request.meta.op)
             return
+        if cached and self.unnamed_window.add_all(requests, self.unnamed_pending):
+            self.unnamed_pending += len(requests)  # a burst of unnamed ones, all in the window
+            return
         lookup = self.cache.lookup
         for request in requests:
             meta = request.meta

@@ -25,6 +25,7 @@ from baguahvd.engine.messages import (
     unnamed_number,
 )
 from baguahvd.engine.negotiation.cache import (
+    UNNAMED_CACHEABLE_OPS,
     CacheEntry,
     Lookup,
     ResponseCache,
@@ -82,6 +83,23 @@ class UnnamedWindow:
         meta = request.meta
         self.requests.append(request)
         self._lookups.append((unnamed_number(meta.key), unnamed_signature(meta), meta))
+
+    def add_all(self, requests: list[Request], pending: int) -> bool:
+        """Queues ``requests`` after the others when every one is an unnamed allreduce or
+        broadcast of the global set and each of the ``pending`` unnamed requests before them
+        waits here (then each would join the window in turn, see
+        :meth:`~baguahvd.engine.negotiation.negotiator.Negotiator.admit_all`): one pass
+        over a burst instead of a call each. Queues nothing and returns False otherwise."""
+        if pending != len(self.requests):
+            return False
+        metas = [request.meta for request in requests]
+        for meta in metas:
+            if (meta.process_set_id != GLOBAL_PROCESS_SET_ID
+                    or meta.op not in UNNAMED_CACHEABLE_OPS or not is_unnamed(meta.key)):
+                return False
+        self.requests += requests
+        self._lookups += [(unnamed_number(m.key), unnamed_signature(m), m) for m in metas]
+        return True
 
     def look_up(self, cache: ResponseCache) -> int | None:
         """Starts a cycle (every rank, every cycle: the positions of the cycle's responses
