@@ -43,7 +43,7 @@ class FusionBuffers:
         buffer, allocated on huge pages whatever its size (see
         :func:`~baguahvd.backends.memory.empty_huge`): a burst of small tensors fills a
         buffer of a megabyte or so, which Open MPI reduces in about 0.6 of the time it
-        takes on 4 KB pages (``benchmarks/README.md``, "Huge pages")."""
+        takes on 4 KB pages (``benchmarks/README.md``, "Huge pages for reused buffers")."""
         buffer = self._buffers.get((dtype, device))
         if buffer is None or buffer.numel() < count:
             # A normal tensor even when the first fused unit runs in inference mode: an
