@@ -26,8 +26,9 @@ from baguahvd.common.exceptions import (
 from baguahvd.common.ops import ReduceOp
 from baguahvd.engine import loop
 from baguahvd.engine.engine import GLOBAL_PROCESS_SET_ID, Engine
+from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.lifecycle.states import State
-from baguahvd.engine.messages import OpType
+from baguahvd.engine.messages import OpType, RequestMeta
 from baguahvd.engine.negotiation.negotiator import IDLE_PAUSE_MAX_S
 from baguahvd.engine.requests import Handle
 from tests.fakes.clock import SteppedClock
@@ -717,3 +718,35 @@ def _wait_for(condition: object, timeout_s: float = 5.0) -> None:
     while not condition():  # type: ignore[operator]
         assert time.monotonic() < deadline, "condition not reached"
         time.sleep(0.005)
+
+
+def test_a_submitted_request_is_described_by_every_field_of_its_meta(
+    job: Job, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engine.submit builds the description as a plain tuple of every field, in order: it
+    must be the RequestMeta the fields name."""
+    seen: list[Any] = []
+    put = RequestQueue.put
+
+    def recorded(self: RequestQueue, request: Any, *args: Any, **kwargs: Any) -> None:
+        seen.append(request)
+        put(self, request, *args, **kwargs)
+
+    monkeypatch.setattr(RequestQueue, "put", recorded)
+
+    def body(rank: int, engine: Engine) -> None:
+        value = torch.ones(4)
+        _result(engine.submit(OpType.ALLREDUCE, "allreduce", GLOBAL_PROCESS_SET_ID, [value],
+                              [value.clone()], name="described", prescale=2.0))
+
+    job.run(body)
+    assert {request.meta.rank for request in seen} == set(range(SIZE))
+    for request in seen:
+        meta = request.meta
+        assert type(meta) is RequestMeta and len(meta) == len(RequestMeta._fields)
+        assert meta == RequestMeta(
+            key="allreduce.described", name="allreduce.described", op=OpType.ALLREDUCE,
+            process_set_id=GLOBAL_PROCESS_SET_ID, rank=meta.rank, dtype="float32",
+            shapes=((4,),), device="CPU", reduce_op=ReduceOp.SUM, prescale=2.0,
+            postscale=1.0, root=-1, splits=None, payload=(), failure="", site="", fuse=True,
+        )
