@@ -48,6 +48,11 @@ def counted(process_set_id: int, key: str) -> bool:
     return process_set_id == GLOBAL_PROCESS_SET_ID and is_unnamed(key)
 
 
+def _lookup(meta: RequestMeta) -> tuple[int, tuple[object, ...], RequestMeta]:
+    """What a waiting request's lookup takes: its number, its signature, its description."""
+    return unnamed_number(meta.key), unnamed_signature(meta), meta
+
+
 class UnnamedWindow:
     """The waiting requests, oldest first, and the cache slots this cycle found for them;
     ``capacity``: the response cache's."""
@@ -80,9 +85,8 @@ class UnnamedWindow:
 
     def add(self, request: Request) -> None:
         """Queues a new unnamed allreduce or broadcast of the global set after the others."""
-        meta = request.meta
         self.requests.append(request)
-        self._lookups.append((unnamed_number(meta.key), unnamed_signature(meta), meta))
+        self._lookups.append(_lookup(request.meta))
 
     def add_all(self, requests: list[Request], pending: int) -> bool:
         """Queues ``requests`` after the others when every one is an unnamed allreduce or
@@ -98,7 +102,7 @@ class UnnamedWindow:
                     or meta.op not in UNNAMED_CACHEABLE_OPS or not is_unnamed(meta.key)):
                 return False
         self.requests += requests
-        self._lookups += [(unnamed_number(m.key), unnamed_signature(m), m) for m in metas]
+        self._lookups += [_lookup(meta) for meta in metas]
         return True
 
     def look_up(self, cache: ResponseCache) -> int | None:
