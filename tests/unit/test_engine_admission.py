@@ -45,7 +45,7 @@ def _filed(negotiator: Negotiator) -> tuple[object, ...]:
         [request.meta for request in negotiator.to_send],
         sorted(negotiator.stale_slots),
         negotiator.unnamed_pending,
-        [(number, meta) for number, _, meta in negotiator.unnamed_window._lookups],
+        list(zip(negotiator.unnamed_window._numbers, negotiator.unnamed_window._metas)),
         [request.meta for request in negotiator.unnamed_window.take_all()],
     )
 

@@ -326,3 +326,76 @@ def test_a_slot_evicted_since_the_last_take_is_not_taken_again() -> None:
     cache.evict(0)
     with pytest.raises(KeyError):
         cache.take([0, 1])
+
+
+class _LookedUpEach(UnnamedWindow):
+    """A window that looks every request up in turn, never from what it found last, and
+    takes its runs one slot at a time."""
+
+    def look_up(self, cache: ResponseCache) -> int | None:
+        self._found = self._found._replace(slots=[])
+        return super().look_up(cache)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_window_finds_and_runs_what_looking_each_request_up_would(seed: int) -> None:
+    # Bursts of unnamed requests, two shapes, while entries come and go and some ranks
+    # lag: the window that checks a whole recurring burst at once must find the same slots,
+    # report the same stale slot and run the same requests as one that checks each.
+    rng = random.Random(seed)
+    cache = ResponseCache(48)
+    fast, each = UnnamedWindow(48), _LookedUpEach(48)
+    number = 0
+    signatures = {shape: request_signature(_UNNAMED._replace(shapes=(shape,)))
+                  for shape in ((4,), (8,))}
+    burst = [(4,)] * 6 + [(8,)] * 3
+    quick = 0
+    for _ in range(3000):
+        choice = rng.random()
+        if choice < 0.3:
+            if rng.random() < 0.1:  # an unnamed request of another kind, sent in full
+                number += 1
+            if rng.random() < 0.2:
+                burst = [rng.choice([(4,), (8,)]) for _ in range(rng.randint(1, 12))]
+            for shape in burst:
+                key = f"noname.{number}"
+                request = Request(_UNNAMED._replace(key=key, name=f"allreduce.{key}",
+                                                    shapes=(shape,)), [], None)
+                fast.add(request)
+                each.add(request)
+                number += 1
+        elif choice < 0.4:
+            shape = rng.choice([(4,), (8,)])
+            meta = _UNNAMED._replace(shapes=(shape,))
+            key = cache_key(meta, rng.randrange(16))
+            cache.put(_response(f"noname.{rng.randrange(99)}"), signatures[shape],
+                      member=True, key=key)
+        elif choice < 0.45 and len(cache):
+            cache.evict(rng.choice(sorted(cache._entries)))
+        elif choice < 0.47:
+            assert fast.take_all() == each.take_all()
+        else:
+            first = int(fast.requests[0].meta.key.split(".")[1]) if fast.requests else 0
+            if first > fast.base and rng.random() < 0.5:  # those sent in full before it agreed
+                fast.agreed(f"noname.{first - 1}")
+                each.agreed(f"noname.{first - 1}")
+            if rng.random() < 0.3:  # the waiting requests' responses were cached meanwhile
+                for request in fast.requests:
+                    position = int(request.meta.key.split(".")[1]) - fast.base
+                    if 0 <= position < 16:
+                        cache.put(_response(request.meta.key), request_signature(request.meta),
+                                  member=True, key=cache_key(request.meta, position))
+            found = fast._found
+            stale = fast.look_up(cache)
+            quick += fast._found is found and bool(fast.slots)  # not looked up again
+            assert (stale, fast.slots) == (each.look_up(cache), each.slots)
+            span = 48
+            fast.slot_mask(span)
+            if rng.random() < 0.7:
+                ready = (1 << span) - 1
+            else:
+                ready = sum(1 << slot for slot in fast.slots[: rng.randint(0, len(fast.slots))])
+                ready |= rng.getrandbits(span)
+            assert fast.take_run(ready) == each.take_run(ready)
+            assert (fast.base, fast.lookups_max) == (each.base, each.lookups_max)
+    assert quick > 30  # the recurring bursts did take the shortcut

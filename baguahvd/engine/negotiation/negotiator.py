@@ -198,7 +198,7 @@ class Negotiator:
             self._window_to_full()
         hits = self.cache.not_member | slot_bits(self.waiting_on_cache.keys(), span)
         if window.slots:
-            hits |= slot_bits(window.slots, span)
+            hits |= window.slot_mask(span)
         valid = self._all_valid
         if self.stale_slots:
             invalid = slot_bits(self.stale_slots, span)

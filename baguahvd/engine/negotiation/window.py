@@ -17,13 +17,16 @@ cycle, and reuses its fusion plan (:class:`~baguahvd.engine.execution.fusion.Fus
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import NamedTuple
 
 from baguahvd.engine.messages import (
     GLOBAL_PROCESS_SET_ID,
+    UNNAMED_PREFIX,
     RequestMeta,
     is_unnamed,
     unnamed_number,
 )
+from baguahvd.engine.negotiation.bits import slot_bits
 from baguahvd.engine.negotiation.cache import (
     UNNAMED_CACHEABLE_OPS,
     CacheEntry,
@@ -48,9 +51,13 @@ def counted(process_set_id: int, key: str) -> bool:
     return process_set_id == GLOBAL_PROCESS_SET_ID and is_unnamed(key)
 
 
-def _lookup(meta: RequestMeta) -> tuple[int, tuple[object, ...], RequestMeta]:
-    """What a waiting request's lookup takes: its number, its signature, its description."""
-    return unnamed_number(meta.key), unnamed_signature(meta), meta
+class _Found(NamedTuple):
+    """What the last lookup found from position 0 on: the slot, entry and entry's signature
+    of each position up to the first miss (see :meth:`UnnamedWindow.look_up`)."""
+
+    slots: list[int]
+    entries: list[CacheEntry]
+    signatures: list[tuple[object, ...]]
 
 
 class UnnamedWindow:
@@ -59,18 +66,24 @@ class UnnamedWindow:
 
     def __init__(self, capacity: int) -> None:
         self.requests: list[Request] = []
-        self._lookups: list[tuple[int, tuple[object, ...], RequestMeta]] = []
-        """Per request, what its lookup takes: its number, its signature and its
-        description (a request may be looked up in several cycles)."""
+        # Per request, what its lookup takes (a request may be looked up in several
+        # cycles): its number, its signature and its description.
+        self._numbers: list[int] = []
+        self._signatures: list[tuple[object, ...]] = []
+        self._metas: list[RequestMeta] = []
         self._hits: dict[int, tuple[int, CacheEntry]] = {}
         """The slot and entry each position last hit. A request whose signature is the
         entry's, while that entry still holds the slot, has the key the entry was found
         under (the key is made of fields of the signature), so it hits the same slot
         without a key being built and hashed: a recurring burst looks itself up at the cost
         of a signature comparison per request."""
+        self._found = _Found([], [], [])
+        """What the last lookup found (see :meth:`look_up`)."""
         self.slots: list[int] = []
         """The slot of each request from the oldest on, as far as they hit in this cycle's
         lookup (:meth:`look_up`)."""
+        self._mask: int | None = None
+        """The bits of :attr:`slots`, once :meth:`slot_mask` has made them."""
         self.base = 0
         """The number of the oldest unnamed collective of the global set not yet agreed."""
         self._cycle_base = 0
@@ -85,8 +98,7 @@ class UnnamedWindow:
 
     def add(self, request: Request) -> None:
         """Queues a new unnamed allreduce or broadcast of the global set after the others."""
-        self.requests.append(request)
-        self._lookups.append(_lookup(request.meta))
+        self._append([request], [request.meta])
 
     def add_all(self, requests: list[Request], pending: int) -> bool:
         """Queues ``requests`` after the others when every one is an unnamed allreduce or
@@ -97,46 +109,99 @@ class UnnamedWindow:
         if pending != len(self.requests):
             return False
         metas = [request.meta for request in requests]
+        unnamed = UNNAMED_PREFIX
         for meta in metas:
             if (meta.process_set_id != GLOBAL_PROCESS_SET_ID
-                    or meta.op not in UNNAMED_CACHEABLE_OPS or not is_unnamed(meta.key)):
+                    or meta.op not in UNNAMED_CACHEABLE_OPS or not meta.key.startswith(unnamed)):
                 return False
-        self.requests += requests
-        self._lookups += [_lookup(meta) for meta in metas]
+        self._append(requests, metas)
         return True
+
+    def _append(self, requests: list[Request], metas: list[RequestMeta]) -> None:
+        self.requests += requests
+        # unnamed_number() of each, without a call each.
+        start = len(UNNAMED_PREFIX)
+        self._numbers += [int(meta.key[start:]) for meta in metas]
+        self._signatures += map(unnamed_signature, metas)
+        self._metas += metas
 
     def look_up(self, cache: ResponseCache) -> int | None:
         """Starts a cycle (every rank, every cycle: the positions of the cycle's responses
         count from here) and finds the slots of the waiting requests from the oldest on, up
         to the first that misses. Returns the slot of an entry found stale there (to
-        invalidate everywhere), else None."""
+        invalidate everywhere), else None.
+
+        A recurring burst finds what the last lookup found: the same positions, holding
+        requests of the same signatures, whose entries are still in their slots. That is
+        checked for the whole burst in a few list comparisons; otherwise each request is
+        looked up in turn."""
         self._cycle_base = base = self.base
+        self._mask = None
+        count = min(len(self.requests), self.lookups_max)
+        found = self._found
+        if 0 < count <= len(found.slots):
+            slots = found.slots[:count]
+            if (
+                self._numbers[:count] == list(range(base, base + count))
+                and self._signatures[:count] == found.signatures[:count]
+                and list(map(cache.entry_at, slots)) == found.entries[:count]
+            ):
+                self.slots = slots
+                return None
+        return self._look_up_each(cache, base, count)
+
+    def _look_up_each(self, cache: ResponseCache, base: int, count: int) -> int | None:
+        """:meth:`look_up`, one request at a time; keeps what it found for the next."""
         slots: list[int] = []
+        entries: list[CacheEntry] = []
         self.slots = slots
         lookup = cache.lookup
         entry_at = cache.entry_at
         hit = Lookup.HIT
         hits = self._hits
-        for number, signature, meta in self._lookups[: self.lookups_max]:
+        for number, signature, meta in zip(
+            self._numbers[:count], self._signatures[:count], self._metas[:count]
+        ):
             position = number - base
             known = hits.get(position)
             if known is not None:
                 slot, entry = known
                 if entry_at(slot) is entry and entry.signature == signature:
                     slots.append(slot)
+                    entries.append(entry)
                     continue
             found, slot = lookup(
                 GLOBAL_PROCESS_SET_ID, (*unnamed_described(meta), position), signature
             )
             if found is not hit:
+                self._keep_found(base, entries)
                 return slot if found is Lookup.STALE else None
             slots.append(slot)
             if len(hits) >= self._lookups_cap:
                 hits.clear()
             found_entry = entry_at(slot)
-            if found_entry is not None:  # a hit's slot holds its entry
-                hits[position] = (slot, found_entry)
+            assert found_entry is not None  # a hit's slot holds its entry
+            entries.append(found_entry)
+            hits[position] = (slot, found_entry)
+        self._keep_found(base, entries)
         return None
+
+    def _keep_found(self, base: int, entries: list[CacheEntry]) -> None:
+        """Keeps the slots and entries just found for the next lookup, where they are those
+        of positions 0, 1, 2... (:meth:`look_up`)."""
+        slots = self.slots
+        count = len(slots)
+        if self._numbers[:count] != list(range(base, base + count)):
+            # Some position in between is another collective's (sent in full).
+            self._found = _Found([], [], [])
+            return
+        self._found = _Found(list(slots), entries, self._signatures[:count])
+
+    def slot_mask(self, span: int) -> int:
+        """The bits of :attr:`slots` (bit ``s`` for slot ``s``), made once per cycle."""
+        if self._mask is None:
+            self._mask = slot_bits(self.slots, span)
+        return self._mask
 
     def take_run(self, ready: int) -> tuple[int, dict[int, Request]]:
         """The requests that run from the cache in this cycle: the longest run from the
@@ -144,20 +209,27 @@ class UnnamedWindow:
         is in the AND only where every rank has the same collective at that position; later
         ready slots wait for the next cycle, so unnamed collectives keep their order.
         Returns ``ready`` without those later slots, and the run by slot."""
-        run: dict[int, Request] = {}
+        slots = self.slots
         requests = self.requests
-        for index, slot in enumerate(self.slots):
-            if not ready >> slot & 1:
-                for later in self.slots[index:]:
-                    ready &= ~(1 << later)
-                break
-            run[slot] = requests[index]
+        mask = self._mask
+        if mask is not None and ready & mask == mask:  # all of them: a recurring burst
+            run = dict(zip(slots, requests))
+        else:
+            run = {}
+            for index, slot in enumerate(slots):
+                if not ready >> slot & 1:
+                    for later in slots[index:]:
+                        ready &= ~(1 << later)
+                    break
+                run[slot] = requests[index]
         if len(run) == self.lookups_max:
             self.lookups_max = min(2 * self.lookups_max, self._lookups_cap)
-        del requests[: len(run)]
-        del self._lookups[: len(run)]
+        taken = len(run)
+        del requests[:taken], self._numbers[:taken], self._signatures[:taken]
+        del self._metas[:taken]
         self.slots = []
-        self.base += len(run)
+        self._mask = None
+        self.base += taken
         return ready, run
 
     def agreed(self, key: str) -> None:
@@ -174,5 +246,6 @@ class UnnamedWindow:
     def take_all(self) -> list[Request]:
         """Empties the window (its requests go to rank 0 in full, or the engine stops)."""
         requests, self.requests, self.slots = self.requests, [], []
-        self._lookups = []
+        self._numbers, self._signatures, self._metas = [], [], []
+        self._mask = None
         return requests
