@@ -399,3 +399,26 @@ def test_a_window_finds_and_runs_what_looking_each_request_up_would(seed: int) -
             assert fast.take_run(ready) == each.take_run(ready)
             assert (fast.base, fast.lookups_max) == (each.base, each.lookups_max)
     assert quick > 30  # the recurring bursts did take the shortcut
+
+
+def test_a_recurring_burst_is_found_again_across_empty_cycles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A training loop's cycles alternate between its burst and cycles with nothing
+    # unnamed waiting (a named request, an idle tick): the burst is still found from what
+    # the last lookup of it found, without looking its requests up one by one.
+    cache = _unnamed_cache(8)
+    window = UnnamedWindow(1024)
+    _wait_unnamed(window, 0, 8)
+    assert _looked_up(window, cache) == (None, list(range(8)))
+    window.take_run((1 << 1024) - 1)
+
+    def each(*args: object) -> None:
+        raise AssertionError("looked up one request at a time")
+
+    monkeypatch.setattr(window, "_look_up_each", each)
+    for first in (8, 16):
+        assert _looked_up(window, cache) == (None, [])
+        _wait_unnamed(window, first, 8)
+        assert _looked_up(window, cache) == (None, list(range(8)))
+        window.take_run((1 << 1024) - 1)

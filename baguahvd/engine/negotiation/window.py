@@ -139,7 +139,7 @@ class UnnamedWindow:
         self._mask = None
         count = min(len(self.requests), self.lookups_max)
         found = self._found
-        if 0 < count <= len(found.slots):
+        if count <= len(found.slots):
             slots = found.slots[:count]
             if (
                 self._numbers[:count] == list(range(base, base + count))
@@ -188,14 +188,12 @@ class UnnamedWindow:
 
     def _keep_found(self, base: int, entries: list[CacheEntry]) -> None:
         """Keeps the slots and entries just found for the next lookup, where they are those
-        of positions 0, 1, 2... (:meth:`look_up`)."""
+        of positions 0, 1, 2... (:meth:`look_up`); else what it kept before stays."""
         slots = self.slots
         count = len(slots)
-        if self._numbers[:count] != list(range(base, base + count)):
-            # Some position in between is another collective's (sent in full).
-            self._found = _Found([], [], [])
-            return
-        self._found = _Found(list(slots), entries, self._signatures[:count])
+        # Not where some position in between is another collective's (sent in full).
+        if count and self._numbers[:count] == list(range(base, base + count)):
+            self._found = _Found(list(slots), entries, self._signatures[:count])
 
     def slot_mask(self, span: int) -> int:
         """The bits of :attr:`slots` (bit ``s`` for slot ``s``), made once per cycle."""
