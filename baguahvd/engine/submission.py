@@ -17,10 +17,11 @@ and then queues it (:mod:`~baguahvd.engine.intake`) or, for a set of one rank, r
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -105,7 +106,12 @@ class Submissions:
     def __init__(self, check_sites: bool = False) -> None:
         self.check_sites = check_sites
         self._lock = threading.Lock()
-        self._noname: dict[int, int] = {}
+        self._numbers: dict[int, Iterator[int]] = {}
+        """Per process set, the numbers of its unnamed requests (``next()`` hands each out
+        once, whatever the threads: one C call, without a lock)."""
+        self._floors: dict[int, int] = {}
+        """Per process set, the lowest number its next unnamed request may take, where
+        :meth:`skip_unnamed` has counted collectives this rank submitted nothing for."""
         self.user_device: torch.device | None = None
         """The CUDA device of this rank's submissions (where its joined zeros go): the one
         the latest stream mark names, else the current device of the first thread that
@@ -122,10 +128,23 @@ class Submissions:
         if op == _JOIN:
             return JOIN_KEY, JOIN_KEY, ""
         site = call_site() if self.check_sites else ""
-        with self._lock:
-            count = self._noname.get(process_set_id, 0)
-            self._noname[process_set_id] = count + 1
-        return f"{UNNAMED_PREFIX}{count}", f"{label}.{UNNAMED_PREFIX}{count}", site
+        numbers = self._numbers.get(process_set_id)
+        if numbers is None:
+            with self._lock:
+                numbers = self._numbers.setdefault(process_set_id, itertools.count())
+        number = next(numbers)
+        floor = self._floors.get(process_set_id)
+        if floor is not None and number < floor:
+            number = self._past_floor(process_set_id, numbers, number)
+        key = f"{UNNAMED_PREFIX}{number}"
+        return key, f"{label}.{key}", site
+
+    def _past_floor(self, process_set_id: int, numbers: Iterator[int], number: int) -> int:
+        """The first number from ``numbers`` at or past the set's floor, ``number`` being
+        the one just taken (those below were skipped: no request of this rank takes them)."""
+        while number < self._floors[process_set_id]:
+            number = next(numbers)
+        return number
 
     def skip_unnamed(self, process_set_id: int, key: str) -> None:
         """Counts an agreed unnamed collective this rank submitted nothing for.
@@ -138,9 +157,9 @@ class Submissions:
         if not is_unnamed(key):
             return
         number = unnamed_number(key)
-        with self._lock:
-            if self._noname.get(process_set_id, 0) <= number:
-                self._noname[process_set_id] = number + 1
+        with self._lock:  # floors only rise
+            if self._floors.get(process_set_id, 0) <= number:
+                self._floors[process_set_id] = number + 1
 
     def mark(self, request: Request) -> None:
         """Notes where a submission of CUDA tensors (or a join) stands in its submitter's
