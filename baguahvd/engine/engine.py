@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Generic, TypeVar
 
 import torch
 
@@ -58,37 +56,25 @@ from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.lifecycle.states import Lifecycle, State
 from baguahvd.engine.lifecycle.watchdog import Watchdog, process_identity
 from baguahvd.engine.loop import EngineLoop
-from baguahvd.engine.messages import GLOBAL_PROCESS_SET_ID, OpType, RequestMeta
+from baguahvd.engine.messages import (
+    DTYPE_NAMES,
+    GLOBAL_PROCESS_SET_ID,
+    OpType,
+    RequestMeta,
+    dtype_name,
+)
 from baguahvd.engine.notices import Notice, NoticeKind
 from baguahvd.engine.process_sets import ProcessSetRegistry, not_member_message
 from baguahvd.engine.requests import Handle, Request
 from baguahvd.engine.submission import Submissions, ThreadActivity, describe_tensors
 from baguahvd.engine.timeline import Timeline
+from baguahvd.engine.views import View
 
 __all__ = ["GLOBAL_PROCESS_SET_ID", "Engine"]
 
 logger = logging.getLogger("baguahvd.engine")
 _JOIN = OpType.JOIN  # a member looked up on its class costs as much as a dict lookup
 _new_tuple = tuple.__new__
-
-
-T = TypeVar("T")
-
-
-class _View(Generic[T]):
-    """A read-only attribute of the engine that shows what one of its parts keeps (the
-    lifecycle's state, the engine thread's counts and settings): user threads read it, the
-    part that owns it changes it."""
-
-    __slots__ = ("_get",)
-
-    def __init__(self, path: str) -> None:
-        self._get = operator.attrgetter(path)
-
-    def __get__(self, engine: object, owner: type | None = None) -> T:
-        if engine is None:  # looked up on the class (documentation tools)
-            return self  # type: ignore[return-value]
-        return self._get(engine)  # type: ignore[no-any-return]
 
 
 class Engine:
@@ -167,20 +153,20 @@ class Engine:
     # ----------------------------------------------------------------------------------
     # Lifecycle
 
-    running = _View[bool]("_lifecycle.running")
+    running = View[bool]("_lifecycle.running")
     """Whether collectives are still accepted: the engine has not stopped."""
-    abnormal = _View[bool]("_lifecycle.abnormal")
+    abnormal = View[bool]("_lifecycle.abnormal")
     """Whether the engine stopped because something failed (see :meth:`leave_job`)."""
-    state = _View[State]("_lifecycle.state")
+    state = View[State]("_lifecycle.state")
     """The lifecycle state (:class:`~baguahvd.engine.lifecycle.State`)."""
-    cycles = _View[int]("_loop.cycles")
+    cycles = View[int]("_loop.cycles")
     """Cycles this rank's engine thread has begun."""
-    full_negotiations = _View[int]("_loop.negotiation.exchanges")
+    full_negotiations = View[int]("_loop.negotiation.exchanges")
     """Cycles whose requests went to rank 0 in full; the others ran from the response
     cache (or had nothing to run)."""
-    fusion_bytes = _View[int]("_dispatch.fusion_bytes.value")
+    fusion_bytes = View[int]("_dispatch.fusion_bytes.value")
     """Bytes this rank has copied into and out of fusion buffers since it started."""
-    settings = _View[Settings]("_loop.settings")
+    settings = View[Settings]("_loop.settings")
     """The fusion threshold and cycle time in use (autotune changes them)."""
 
     @property
@@ -338,11 +324,23 @@ class Engine:
         if stopped is not None:
             raise stopped
         state = self.process_sets.get(process_set_id)
-        if state is None or not state.member:
+        if state is None or state.comm is None:  # not ``member``: a property costs a call
             raise ProcessSetError(not_member_message(label, state, self.rank))
-        dtype, shapes, device = describe_tensors(inputs, label)
-        key, display, site = self._submissions.name(op, label, process_set_id, name)
-        # Every field in order, without NamedTuple's __new__ (twice the cost): per request.
+        # Per request, so the common cases inline (each call costs as much as its work):
+        # one CPU tensor, a named collective.
+        first = inputs[0] if len(inputs) == 1 else None
+        shapes: tuple[tuple[int, ...], ...]
+        if first is not None and not first.is_cuda:
+            dtype = DTYPE_NAMES.get(first.dtype) or dtype_name(first.dtype)
+            shapes, device = (tuple(first.shape),), "CPU"
+        else:
+            dtype, shapes, device = describe_tensors(inputs, label)
+        if name is not None and op is not _JOIN:
+            key = display = f"{label}.{name}"
+            site = ""
+        else:
+            key, display, site = self._submissions.name(op, label, process_set_id, name)
+        # Every field in order, without NamedTuple's __new__ (twice the cost).
         meta = _new_tuple(RequestMeta, (
             key, display, op, process_set_id, self.rank, dtype, shapes, device,
             reduce_op if type(reduce_op) is ReduceOp else ReduceOp(reduce_op),

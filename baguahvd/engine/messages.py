@@ -91,6 +91,8 @@ DTYPES: dict[str, torch.dtype] = {
     )
 }
 """The dtypes a collective may carry, by the name requests and responses give them."""
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+""":data:`DTYPES` the other way round: :func:`dtype_name` without building a string."""
 
 
 class RequestMeta(NamedTuple):

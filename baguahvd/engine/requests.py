@@ -13,26 +13,21 @@ from baguahvd.engine.messages import RequestMeta, Response
 
 
 class Handle:
-    """The future of one submitted collective.
+    """The future of one submitted collective (its :class:`Request` keeps the tensors alive
+    meanwhile, since the engine reads and writes them from its own thread).
 
-    It keeps the request's tensors alive until the collective is done, because the engine
-    reads and writes them from its own thread. Completion is signalled by releasing a lock
-    taken at creation: much cheaper than an Event for the thousands of small requests of a
-    training step.
+    Completion is signalled by releasing a lock taken at creation: much cheaper than an
+    Event for the thousands of small requests of a training step.
     """
 
-    __slots__ = (
-        "_pending", "name", "result", "error", "extra", "_keepalive", "wakes", "device_done"
-    )
+    __slots__ = ("_pending", "result", "error", "extra", "wakes", "device_done")
 
-    def __init__(self, name: str, keepalive: Sequence[torch.Tensor]) -> None:
+    def __init__(self) -> None:
         self._pending = threading.Lock()
         self._pending.acquire()
-        self.name = name
         self.result: list[torch.Tensor] | None = None
         self.error: BaseException | None = None
         self.extra: Any = None
-        self._keepalive: Sequence[torch.Tensor] | None = keepalive
         self.wakes: tuple[threading.Event, ...] = ()
         """Set when a thread is about to block in :meth:`wait`: the engine thread then knows
         that a burst of submissions is over and starts its cycle at once (events, so that
@@ -71,7 +66,6 @@ class Handle:
         self._release()
 
     def _release(self) -> None:
-        self._keepalive = None
         try:
             self._pending.release()
         except RuntimeError:  # already completed by a racing shutdown
@@ -106,7 +100,7 @@ class Request:
         self.activity = activity
         """The timeline activity drawn around its collective, e.g. ``BAGUA_BYTEGRAD`` (see
         :meth:`baguahvd.engine.engine.Engine.activity`)."""
-        self.handle = Handle(meta.name, ())
+        self.handle = Handle()
         # When the user submitted it: the stall inspector measures waits from here.
         self.submitted = time.monotonic()
         self.ident = (meta.process_set_id, meta.key)

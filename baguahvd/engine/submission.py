@@ -28,7 +28,7 @@ import torch
 from baguahvd.backends import cuda_support
 from baguahvd.common.exceptions import CudaGraphCaptureError
 from baguahvd.engine.messages import (
-    DTYPES,
+    DTYPE_NAMES,
     JOIN_KEY,
     UNNAMED_PREFIX,
     OpType,
@@ -38,7 +38,6 @@ from baguahvd.engine.messages import (
 )
 from baguahvd.engine.requests import Request
 
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _JOIN = OpType.JOIN  # a member looked up on its class costs as much as a dict lookup
 
 # Frames in these folders are the library's, not the user's call.
@@ -81,7 +80,7 @@ def describe_tensors(
             raise CudaGraphCaptureError(label)
     else:
         device = "CPU"
-    dtype = _DTYPE_NAMES.get(first.dtype) or dtype_name(first.dtype)
+    dtype = DTYPE_NAMES.get(first.dtype) or dtype_name(first.dtype)
     if len(inputs) == 1:
         return dtype, (tuple(first.shape),), device
     return dtype, tuple(tuple(t.shape) for t in inputs), device

@@ -92,3 +92,20 @@ def test_a_local_failure_on_a_cached_name_is_not_answered_from_the_cache(
             hvd.allreduce(torch.ones(2), op=hvd.Sum, name="cached_local_failure")
     result = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="cached_local_failure")
     assert torch.equal(result, torch.full((2,), float(size)))
+
+
+def test_a_named_in_place_async_call_that_fails_takes_its_name(rank: int, size: int) -> None:
+    # allreduce_async_ places its own failures (it is not wrapped): the others' call of the
+    # same name fails naming this rank, and the name is free again for the retry.
+    hvd.barrier()
+    if rank == BAD:
+        with pytest.raises(ValueError, match="contiguous"):
+            hvd.allreduce_async_(torch.ones(4, 2).t(), None, "grad.w", hvd.Sum)
+    else:
+        handle = hvd.allreduce_async_(torch.ones(2, 4), name="grad.w", op=hvd.Sum)
+        with pytest.raises(hvd.HorovodInternalError, match="rank 1 failed its local checks: "
+                           "ValueError: Tensor is required to be contiguous") as info:
+            hvd.synchronize(handle)
+        assert "allreduce.grad.w" in str(info.value)
+    retried = hvd.synchronize(hvd.allreduce_async_(torch.ones(2, 4), name="grad.w", op=hvd.Sum))
+    assert retried.eq(size).all()
