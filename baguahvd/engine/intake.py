@@ -25,6 +25,8 @@ from baguahvd.common.exceptions import DuplicateNameError
 from baguahvd.engine.messages import UNNAMED_PREFIX
 from baguahvd.engine.requests import Request
 
+_now = time.perf_counter
+
 # A burst of submissions is over once its thread has submitted nothing for this long ...
 QUIET_S = 5e-4
 # ... or this many cycle times after it began, whichever comes first.
@@ -72,17 +74,14 @@ class RequestQueue:
         flush. Should the caller not wait, the next cycle (``cycle_time_ms``) takes it.
         """
         request.handle.wakes = self._blocking_wakes if blocking else self._wakes
+        ident = request.ident
         with self.lock:
             error = stopped()
             if error is not None:
                 raise error
-            ident = request.ident
-            if ident[1].startswith(UNNAMED_PREFIX):
-                # Numbered in submission order, so never a duplicate nor held again: not
-                # kept in _inflight.
-                self._queue.append(request)
-                self._last_arrival = time.perf_counter()
-            else:
+            # Unnamed requests are numbered in submission order, so never a duplicate nor
+            # held again: not kept in _inflight.
+            if not ident[1].startswith(UNNAMED_PREFIX):
                 holder = self._inflight.get(ident)
                 # The common case inline: a name last held by a request that is done, with
                 # no retry waiting, is free (the new request replaces the old in _inflight).
@@ -94,8 +93,10 @@ class RequestQueue:
                             raise DuplicateNameError(request.meta.name)
                         self._retries[ident] = request
                         return
-                self._enqueue(request)
+                self._inflight[ident] = request
             queue = self._queue
+            queue.append(request)  # _enqueue inline: per request
+            self._last_arrival = _now()
         # The engine takes the whole queue at once: only the first request of a batch needs
         # to wake it (see let_burst_finish for the rest).
         if len(queue) == 1 and not blocking:
