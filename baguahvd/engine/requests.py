@@ -57,7 +57,10 @@ class Handle:
     def complete(self, result: list[torch.Tensor] | None, extra: Any = None) -> None:
         self.result = result
         self.extra = extra
-        self._release()
+        try:  # _release inline: a fused unit completes hundreds
+            self._pending.release()
+        except RuntimeError:  # already completed by a racing shutdown
+            pass
 
     def fail(self, error: BaseException) -> None:
         if self.done():
