@@ -454,12 +454,13 @@ def _allreduce_start(
 ) -> Handle:
     """Checks and submits an allreduce of one tensor (``grouped`` False: ``tensors`` is that
     tensor) or of a list as one unit; ``blocking``: the caller waits for it at once."""
-    if grouped:
-        label = "grouped_allreduce"
-        checked = _check_group(tensors, _REDUCIBLE, label)
-    else:
-        label = "allreduce"
-        checked = [_check_tensor(tensors, _REDUCIBLE, label)]
+    if not grouped:
+        return _allreduce_one(
+            tensors, in_place, average, name, op, prescale_factor, postscale_factor,
+            process_set, blocking,
+        )
+    label = "grouped_allreduce"
+    checked = _check_group(tensors, _REDUCIBLE, label)
     # Contiguous already, so preserving their format gives contiguous outputs.
     outputs = checked if in_place else [memory.empty_like(t) for t in checked]
     return _allreduce_submit(
@@ -477,10 +478,11 @@ def _allreduce_one(
     prescale_factor: float,
     postscale_factor: float,
     process_set: ProcessSet,
+    blocking: bool = False,
 ) -> Handle:
-    """:func:`_allreduce_start` of one tensor, not blocking, in fewer steps: the call a
-    hand-written gradient loop makes per tensor, where each step of Python is a share of
-    what the training thread pays (about 3 us a call in all)."""
+    """:func:`_allreduce_start` of one tensor, in as few steps as it takes: a hand-written
+    gradient loop calls it per tensor, and each step of Python is a share of what the
+    training thread pays (about 3 us a call in all)."""
     # The common case in one test: a dense contiguous CPU tensor of a reducible dtype.
     # Anything else goes through the checks that name the problem.
     if not (
@@ -499,7 +501,7 @@ def _allreduce_one(
     return engine.submit(
         _ALLREDUCE, "allreduce", ident, inputs,
         inputs if in_place else [memory.empty_like(tensor)], name, reduce_op,
-        prescale_factor, postscale_factor,
+        prescale_factor, postscale_factor, blocking=blocking,
     )
 
 
