@@ -422,3 +422,26 @@ def test_a_recurring_burst_is_found_again_across_empty_cycles(
         _wait_unnamed(window, first, 8)
         assert _looked_up(window, cache) == (None, list(range(8)))
         window.take_run((1 << 1024) - 1)
+
+
+def test_a_recurring_burst_runs_only_the_slots_every_rank_announced() -> None:
+    # The bits of a burst's slots are kept with what its lookup found, for the next burst
+    # like it: never the bits of another lookup's slots (here one that found positions 1-4,
+    # after an unnamed request sent in full took position 0).
+    cache = _unnamed_cache(8)
+    window = UnnamedWindow(1024)
+    span = 128
+    _wait_unnamed(window, 0, 4)
+    assert _looked_up(window, cache) == (None, [0, 1, 2, 3])
+    window.take_run((1 << 1024) - 1)  # (no bits made for it yet)
+    _wait_unnamed(window, 5, 4)  # noname.4 went in full: positions 1 to 4
+    assert _looked_up(window, cache) == (None, [1, 2, 3, 4])
+    window.slot_mask(span)
+    assert window.take_run(0) == (0, {})
+    window.take_all()
+    window.agreed("noname.8")
+    _wait_unnamed(window, 9, 4)  # the first burst again, at positions 0 to 3
+    assert _looked_up(window, cache) == (None, [0, 1, 2, 3])
+    window.slot_mask(span)
+    ready = sum(1 << slot for slot in (1, 2, 3, 4))  # slot 0 not announced by every rank
+    assert window.take_run(ready) == (1 << 4, {})  # the later slots wait; 4 is not ours

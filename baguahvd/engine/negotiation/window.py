@@ -53,11 +53,14 @@ def counted(process_set_id: int, key: str) -> bool:
 
 class _Found(NamedTuple):
     """What the last lookup found from position 0 on: the slot, entry and entry's signature
-    of each position up to the first miss (see :meth:`UnnamedWindow.look_up`)."""
+    of each position up to the first miss (see :meth:`UnnamedWindow.look_up`), and the
+    bits of all its slots, once made."""
 
     slots: list[int]
     entries: list[CacheEntry]
     signatures: list[tuple[object, ...]]
+    mask: int | None = None
+    """The bits of :attr:`slots` (bit ``s`` for slot ``s``), once made."""
 
 
 class UnnamedWindow:
@@ -147,6 +150,8 @@ class UnnamedWindow:
                 and list(map(cache.entry_at, slots)) == found.entries[:count]
             ):
                 self.slots = slots
+                if count == len(found.slots):
+                    self._mask = found.mask
                 return None
         return self._look_up_each(cache, base, count)
 
@@ -199,6 +204,10 @@ class UnnamedWindow:
         """The bits of :attr:`slots` (bit ``s`` for slot ``s``), made once per cycle."""
         if self._mask is None:
             self._mask = slot_bits(self.slots, span)
+            found = self._found
+            if found.mask is None and self.slots == found.slots:
+                # All the last lookup found: the next burst like it takes the bits as well.
+                self._found = found._replace(mask=self._mask)
         return self._mask
 
     def take_run(self, ready: int) -> tuple[int, dict[int, Request]]:
