@@ -49,6 +49,7 @@ from baguahvd.common.exceptions import (
     ShutDownError,
 )
 from baguahvd.common.ops import ReduceOp
+from baguahvd.engine import submission
 from baguahvd.engine.autotune import Settings
 from baguahvd.engine.clock import SYSTEM_CLOCK, Clock
 from baguahvd.engine.execution.dispatch import Dispatcher
@@ -66,7 +67,7 @@ from baguahvd.engine.messages import (
 from baguahvd.engine.notices import Notice, NoticeKind
 from baguahvd.engine.process_sets import ProcessSetRegistry, not_member_message
 from baguahvd.engine.requests import Handle, Request
-from baguahvd.engine.submission import Submissions, ThreadActivity, describe_tensors
+from baguahvd.engine.submission import Submissions, ThreadActivity
 from baguahvd.engine.timeline import Timeline
 from baguahvd.engine.views import View
 
@@ -329,12 +330,12 @@ class Engine:
         # Per request, so the common cases inline (each call costs as much as its work):
         # one CPU tensor, a named collective.
         first = inputs[0] if len(inputs) == 1 else None
-        shapes: tuple[tuple[int, ...], ...]
         if first is not None and not first.is_cuda:
             dtype = DTYPE_NAMES.get(first.dtype) or dtype_name(first.dtype)
-            shapes, device = (tuple(first.shape),), "CPU"
+            shapes = submission.ONE_SHAPE.get(first.shape) or submission.one_shape(first.shape)
+            device = "CPU"
         else:
-            dtype, shapes, device = describe_tensors(inputs, label)
+            dtype, shapes, device = submission.describe_tensors(inputs, label)
         if name is not None and op is not _JOIN:
             key = display = f"{label}.{name}"
             site = ""

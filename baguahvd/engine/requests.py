@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,7 @@ class Handle:
     Event for the thousands of small requests of a training step.
     """
 
-    __slots__ = ("_pending", "result", "error", "extra", "wakes", "device_done")
+    __slots__ = ("_pending", "result", "error", "extra", "wakes", "device_done", "finish")
 
     def __init__(self) -> None:
         self._pending = threading.Lock()
@@ -36,6 +36,9 @@ class Handle:
         """A CUDA event after the device work that produces the results, where that work
         was queued on the submitter's stream (a single-member set's CUDA tensors):
         :meth:`wait` returns once it has fired, so any stream may read the results."""
+        self.finish: Callable[[Handle], Any] | None = None
+        """What turns the handle into the value ``synchronize`` returns, once the user
+        holds it by number (:class:`~baguahvd.runtime.handles.HandleTable`)."""
 
     def done(self) -> bool:
         """Whether the collective has finished (successfully or not). Never blocks."""

@@ -389,19 +389,19 @@ def synchronize(handle: int) -> Any:
     Raises:
         HorovodInternalError: the collective failed on this rank or across ranks.
     """
-    entry = runtime.handles.pop(handle)
-    if entry is None:
+    engine_handle = runtime.handles.pop(handle)
+    if engine_handle is None:
         return None
-    engine_handle, finish = entry
     engine_handle.wait()
-    return finish(engine_handle)
+    assert engine_handle.finish is not None
+    return engine_handle.finish(engine_handle)
 
 
 def _wait(handle: int) -> Handle:
-    entry = runtime.handles.pop(handle)
-    assert entry is not None
-    entry[0].wait()
-    return entry[0]
+    engine_handle = runtime.handles.pop(handle)
+    assert engine_handle is not None
+    engine_handle.wait()
+    return engine_handle
 
 
 # ---------------------------------------------------------------------------------------

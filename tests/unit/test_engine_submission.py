@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+import torch
+
+from baguahvd.engine import submission
 from baguahvd.engine.messages import JOIN_KEY, OpType, unnamed_number
 from baguahvd.engine.submission import Submissions
 
@@ -83,3 +87,19 @@ def test_threads_naming_while_collectives_are_skipped_never_share_a_number() -> 
     after = [n for n in numbers if n >= 100_050]
     assert after == list(range(100_050, 100_050 + len(after)))
     assert all(n < 100_000 for n in numbers[: len(numbers) - len(after)])
+
+
+def test_one_tensor_requests_of_a_size_share_their_shapes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(submission, "ONE_SHAPE", {})
+    monkeypatch.setattr(submission, "_ONE_SHAPE_MAX", 3)
+    first = submission.describe_tensors([torch.ones(4, 2)], "allreduce")
+    again = submission.describe_tensors([torch.zeros(4, 2)], "allreduce")
+    assert first == ("float32", ((4, 2),), "CPU")
+    assert again[1] is first[1] and type(first[1][0]) is tuple
+    assert submission.describe_tensors([torch.ones(())], "allreduce")[1] == ((),)
+    # A job whose sizes keep changing empties the table rather than growing it.
+    for length in range(1, 10):
+        assert submission.describe_tensors([torch.ones(length)], "allreduce")[1] == ((length,),)
+        assert len(submission.ONE_SHAPE) <= 3
