@@ -23,8 +23,10 @@ the order of the systems alternates from run to run. Two raw mpi4py baselines ru
 run, with no engine started: one ``Allreduce(IN_PLACE)`` of all the burst's bytes at once,
 and ``--count`` in-place ``Allreduce`` of ``--bytes`` one after the other.
 
-Rank 0 prints, per system, the median over runs of each run's median burst, and the load
-average before and after; with both systems, baguahvd's completion over Horovod's, of the
+Rank 0 prints, per system, the median over runs of each run's median burst, its own garbage
+collections per timed burst by generation (young, middle, full: how many and their ms; a
+full collection of a process that imported torch takes tens of ms), and the load average
+before and after; with both systems, baguahvd's completion over Horovod's, of the
 medians and run by run (a run's two systems ran back to back, under the same load, so the
 median of those paired ratios is the steadier figure on a noisy machine); ``--json`` also
 keeps every burst's figures.
@@ -117,20 +119,47 @@ def _raw(comm: MPI.Comm, count: int, each: int, bursts: int) -> dict[str, list[f
     return samples
 
 
+class _Collections:
+    """This process's garbage collections while it is installed: per generation, how many
+    and their seconds (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.count = [0.0, 0.0, 0.0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+
 def _run(system: str, args: argparse.Namespace, comm: MPI.Comm) -> dict[str, list[float]]:
     """One run of ``system``: start it, time its bursts, shut it down."""
     api = _api(system)
     api.init()
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    collections = _Collections()
     try:
         burst = _burst_fn(api, args.count, args.bytes // 4, args.unnamed)
         for _ in range(args.warmup):
             burst(comm)
-        figures = [burst(comm) for _ in range(args.bursts)]
+        gc.callbacks.append(collections)
+        try:
+            figures = [burst(comm) for _ in range(args.bursts)]
+        finally:
+            gc.callbacks.remove(collections)
     finally:
         api.shutdown()
+        gc.unfreeze()
         gc.collect()
     return {"submit_s_per_call": [f[0] for f in figures],
-            "complete_s": [f[1] for f in figures]}
+            "complete_s": [f[1] for f in figures],
+            "gc_collections": collections.count, "gc_s": collections.seconds}
 
 
 def main() -> None:
@@ -143,6 +172,9 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=20, help="timed bursts per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed bursts per run")
     parser.add_argument("--json", help="write every burst's figures here (rank 0)")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.freeze() once each system has started (what a script "
+                        "may do once its model is built)")
     parser.add_argument("--unnamed", action="store_true",
                         help="submit without names (paired by their order)")
     args = parser.parse_args()
@@ -168,6 +200,7 @@ def main() -> None:
         return [statistics.median(run[key]) for run in samples]
 
     summary: dict[str, Any] = {}
+    bursts = args.runs * args.bursts
     for system, samples in runs.items():
         submit = per_run(samples, "submit_s_per_call")
         complete = per_run(samples, "complete_s")
@@ -179,6 +212,11 @@ def main() -> None:
             "submit_us_per_call_fastest": 1e6 * min(
                 min(run["submit_s_per_call"]) for run in samples
             ),
+            # Rank 0's collections per timed burst, by generation, and their ms per burst.
+            "gc_per_burst": [sum(run["gc_collections"][g] for run in samples) / bursts
+                             for g in range(3)],
+            "gc_ms_per_burst": [1e3 * sum(run["gc_s"][g] for run in samples) / bursts
+                                for g in range(3)],
         }
     raw_one = 1e3 * statistics.median(per_run(raw, "one_call_s"))
     raw_row = 1e3 * statistics.median(per_run(raw, "calls_in_a_row_s"))
@@ -198,6 +236,13 @@ def main() -> None:
             f"completion {figures['complete_ms']:8.3f} ms "
             f"({figures['complete_ms'] / raw_one:5.2f}x one raw call)   runs: {per}"
         )
+        collected = ", ".join(
+            f"{label} {count:.2f} ({ms:.3f} ms)" for label, count, ms in zip(
+                ("young", "middle", "full"), figures["gc_per_burst"],
+                figures["gc_ms_per_burst"],
+            )
+        )
+        lines.append(f"  {system:<9} garbage collections per burst (rank 0): {collected}")
     if "baguahvd" in summary and "horovod" in summary:
         ratio = summary["baguahvd"]["complete_ms"] / summary["horovod"]["complete_ms"]
         # Each run's two systems ran one after the other: their ratio sees the same load.
