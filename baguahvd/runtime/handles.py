@@ -13,7 +13,7 @@ class HandleTable:
     """Maps the integer handles users hold to engine handles; each engine handle carries the
     builder of the value :func:`~baguahvd.torch.mpi_ops.synchronize` returns
     (:attr:`Handle.finish`), so that an entry is the handle alone: one object less per
-    collective in flight for the garbage collector to count.
+    collective in flight for the garbage collector to track.
 
     Used from any user thread without a lock: each operation is one call on a counter or a
     dict, which the interpreter runs atomically.
