@@ -420,22 +420,18 @@ def _allreduce_submit(
     process_set: ProcessSet,
     blocking: bool = False,
 ) -> Handle:
-    reduce_op = _resolve_op(average, op)
-    engine = runtime.require_engine()
-    ident = _process_set_id(process_set, "Allreduce")
-    if reduce_op == Adasum:
+    # Every allreduce passes here, one per gradient in a hand-written loop: the common
+    # cases first (no op given, a registered ProcessSet), the calls that name errors after.
+    reduce_op = Average if op is None and average is None else _resolve_op(average, op)
+    engine = runtime.engine or runtime.require_engine()  # which raises without one
+    ident = process_set.process_set_id if type(process_set) is ProcessSet else None
+    if ident is None:
+        ident = _process_set_id(process_set, "Allreduce")  # which raises
+    if reduce_op is Adasum:
         _check_adasum(engine, ident, tensors)
     return engine.submit(
-        _ALLREDUCE,
-        label,
-        ident,
-        tensors,
-        outputs,
-        name=name,
-        reduce_op=reduce_op,
-        prescale=prescale_factor,
-        postscale=postscale_factor,
-        blocking=blocking,
+        _ALLREDUCE, label, ident, tensors, outputs, name, reduce_op, prescale_factor,
+        postscale_factor, blocking=blocking,
     )
 
 
@@ -490,18 +486,10 @@ def _allreduce_one(
         and tensor.layout is _STRIDED and tensor.is_contiguous()
     ):
         tensor = _check_tensor(tensor, _REDUCIBLE, "allreduce")
-    reduce_op = Average if op is None and average is None else _resolve_op(average, op)
-    engine = runtime.engine or runtime.require_engine()  # which raises without one
-    ident = process_set.process_set_id if type(process_set) is ProcessSet else None
-    if ident is None:
-        ident = _process_set_id(process_set, "Allreduce")  # which raises
     inputs = [tensor]
-    if reduce_op is Adasum:
-        _check_adasum(engine, ident, inputs)
-    return engine.submit(
-        _ALLREDUCE, "allreduce", ident, inputs,
-        inputs if in_place else [memory.empty_like(tensor)], name, reduce_op,
-        prescale_factor, postscale_factor, blocking=blocking,
+    return _allreduce_submit(
+        inputs, inputs if in_place else [memory.empty_like(tensor)], "allreduce", average,
+        name, op, prescale_factor, postscale_factor, process_set, blocking,
     )
 
 
