@@ -3,6 +3,7 @@ every rank, over gloo: where a step's time goes beside the transfers themselves.
 
     benchmarks/emulated_cluster.sh --rate 1gbit -- python benchmarks/bucket_timeline.py
     mpirun -np 2 python benchmarks/bucket_timeline.py --steps 4       # one machine
+    ... python benchmarks/bucket_timeline.py --ddp                    # torch DDP instead
 
 The model and batch are ``algorithms.py``'s (the 33.6 MB MLP, SGD with momentum). For this
 run only, the package's steps are wrapped with timestamps (``time.perf_counter``, one clock
@@ -15,6 +16,12 @@ each rank prints its events in ms from rank 0's step start, then a summary: per 
 delay from the later rank's submission to its start on this rank, the delay from the last
 transfer's end to the next completion, and the cycles the engine ran while the transfers
 were in flight.
+
+With ``--ddp`` the same model runs under torch's ``DistributedDataParallel`` over gloo
+instead, with a communication hook that does what DDP's default one does (divide the bucket
+by the world size, allreduce it) and marks the same events: DDP launches a bucket's
+allreduce as soon as its last gradient is ready, so "submit" and "start" coincide, and
+"completed" is the hook's future resolving. No engine, so no cycles.
 """
 
 from __future__ import annotations
@@ -77,6 +84,14 @@ def _instrument() -> None:
         return cycle(self)
 
     loop.EngineLoop.cycle = cycled  # type: ignore[method-assign]
+    bitwise_and = loop.EngineLoop._bitwise_and
+
+    def anded(self: Any, words: Any) -> Any:
+        agreed = bitwise_and(self, words)
+        _mark("and")
+        return agreed
+
+    loop.EngineLoop._bitwise_and = anded  # type: ignore[method-assign]
 
 
 def _summary(events: list[tuple[float, str]], theirs: list[list[float]]) -> str:
@@ -100,28 +115,68 @@ def _summary(events: list[tuple[float, str]], theirs: list[list[float]]) -> str:
     return "; ".join(parts)
 
 
+def _ddp_hook(state, bucket):  # type: ignore[no-untyped-def]
+    """DDP's default allreduce hook (divide, allreduce), marking this script's events. Not
+    annotated: DDP rejects a hook whose annotations are not its own classes (and under
+    ``from __future__ import annotations`` every annotation is a string)."""
+    import torch.distributed as dist
+
+    tensor = bucket.buffer().div_(dist.get_world_size())
+    _mark("submit")
+    _mark("start")
+    future = dist.all_reduce(tensor, async_op=True).get_future()
+
+    def done(fut: Any) -> Any:
+        _mark("end")
+        _mark("completed")
+        return fut.value()[0]
+
+    return future.then(done)
+
+
+def _build(use_ddp: bool) -> tuple[Any, Any]:
+    """The model and its optimizer: DistributedOptimizer's default path, or torch DDP."""
+    model = algorithms.build_model()
+    if use_ddp:
+        from gloo import start_gloo
+        from mpi4py import MPI
+
+        start_gloo(MPI.COMM_WORLD)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        model.register_comm_hook(None, _ddp_hook)
+        return model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    _instrument()
+    hvd.init()
+    base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return model, hvd.DistributedOptimizer(
+        base, named_parameters=list(model.named_parameters()), algorithm=None
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--ddp", action="store_true",
+                        help="torch DistributedDataParallel (gloo) instead of baguahvd")
     args = parser.parse_args()
-    _instrument()
-    hvd.init()
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
     torch.set_num_threads(1)
-    model = algorithms.build_model()
-    base = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(
-        base, named_parameters=list(model.named_parameters()), algorithm=None
-    )
-    generator = torch.Generator().manual_seed(1 + hvd.rank())
-    data = torch.randn(32, algorithms.MODEL_DIMS[0], generator=generator)
-    target = torch.randint(0, algorithms.MODEL_DIMS[-1], (32,), generator=generator)
+    model, optimizer = _build(args.ddp)
+    generator = torch.Generator().manual_seed(1 + rank)
+    data = torch.randn(args.batch_size, algorithms.MODEL_DIMS[0], generator=generator)
+    target = torch.randint(0, algorithms.MODEL_DIMS[-1], (args.batch_size,),
+                           generator=generator)
     loss_fn = torch.nn.CrossEntropyLoss()
     steps: list[float] = []
     for index in range(args.warmup + args.steps):
-        hvd.barrier()
+        comm.Barrier()
         _events.clear()
-        origin = hvd.broadcast_object(time.perf_counter(), 0)
+        origin = comm.bcast(time.perf_counter(), 0)
         start = time.perf_counter()
         optimizer.zero_grad()
         loss_fn(model(data), target).backward()
@@ -131,16 +186,17 @@ def main() -> None:
         steps.append(time.perf_counter() - start)
         events = list(_events)
         submits = [t for t, what in events if what == "submit"]
-        everyone = hvd.allgather_object(submits)
+        everyone = comm.allgather(submits)
         if index < args.warmup:
             continue
         line = "; ".join(f"{1e3 * (t - origin):.1f} {what}" for t, what in events)
-        theirs = [other for rank, other in enumerate(everyone) if rank != hvd.rank()]
-        print(f"rank {hvd.rank()} step {index}: {line}\n  {_summary(events, theirs)}",
+        theirs = [other for index, other in enumerate(everyone) if index != rank]
+        print(f"rank {rank} step {index}: {line}\n  {_summary(events, theirs)}",
               flush=True)
-    if hvd.rank() == 0:
+    if rank == 0:
         print(f"median step {1e3 * statistics.median(steps[args.warmup:]):.1f} ms", flush=True)
-    hvd.shutdown()
+    if not args.ddp:
+        hvd.shutdown()
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ placeholder is done, and is queued then, as the name's next round.
 A burst of submissions (a backward pass, a loop of async calls) is negotiated as one: the
 engine waits until a thread blocks on a handle (the burst is over: it submits nothing more
 meanwhile), or nothing has been submitted for half a millisecond, or five cycle times have
-passed (see :meth:`RequestQueue.let_burst_finish`).
+passed (see :meth:`RequestQueue.let_burst_finish`). A request that runs alone (``fuse=False``:
+a gradient bucket) ends the burst when it arrives: nothing would be fused with it.
 """
 
 from __future__ import annotations
@@ -143,6 +144,13 @@ class RequestQueue:
                 }
                 self._kept = len(self._inflight)
 
+    def _alone(self) -> bool:
+        """Whether the queue is empty or its newest request runs alone (``fuse=False``: a
+        gradient bucket, see :mod:`baguahvd.torch.buckets`), which no longer burst would
+        fuse with anything: its transfer should start now."""
+        queue = self._queue
+        return not queue or not queue[-1].meta.fuse
+
     def drain(self) -> list[Request]:
         """Takes every queued request and forgets every name in flight (the engine stops)."""
         with self.lock:
@@ -165,12 +173,14 @@ class RequestQueue:
         sets (the cycle that takes the queue clears it), and wakes up only for the
         deadlines: every wake-up takes the GIL from the submitting thread.
         """
-        if not self._queue:
+        if self._alone():
             return
         start = time.perf_counter()
         limit = BURST_CYCLES * cycle_time_ms / 1000.0
         flush = self.flush
         while not flush.is_set():
+            if self._alone():
+                return
             now = time.perf_counter()
             since = now - self._last_arrival
             if since >= QUIET_S or now - start >= limit:

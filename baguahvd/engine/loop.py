@@ -47,6 +47,7 @@ from baguahvd.engine.negotiation.stall import StallInspector
 from baguahvd.engine.notices import Decision, Notice, NoticeKind, describe_exception
 from baguahvd.engine.process_sets import ProcessSetState
 from baguahvd.engine.requests import Entry, Request
+from baguahvd.engine.scheduling import prompt_wakeups
 from baguahvd.engine.submission import Submissions
 from baguahvd.engine.timeline import Timeline
 
@@ -132,7 +133,7 @@ class EngineLoop:
 
     def run(self) -> None:
         """The engine thread's body: cycles until the job ends, then fails what is left."""
-        _tighten_timer_slack()
+        prompt_wakeups()
         torch.set_grad_enabled(False)  # for this thread: collectives write raw buffers
         if self.config.thread_affinity:
             cores = self.config.thread_affinity
@@ -384,15 +385,3 @@ def _reduced(entries: list[Entry]) -> list[tuple[str, int]]:
         if own is not None and response.meta.op == OpType.ALLREDUCE and response.error is None
     ]
 
-
-def _tighten_timer_slack() -> None:
-    """Lets this thread's short sleeps end on time (Linux rounds them up by 50 us by
-    default), which is most of a small collective's latency."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_timerslack = 29
-        libc.prctl(pr_set_timerslack, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass

@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from baguahvd.common.exceptions import DuplicateNameError
+from baguahvd.engine import intake
 from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.messages import OpType, RequestMeta
 from baguahvd.engine.requests import Request
@@ -60,3 +62,29 @@ def test_unnamed_requests_are_queued_without_holding_a_name() -> None:
         queue.put(Request(_meta(0, name="allreduce.w"), [], None), lambda: None)
     assert list(queue._inflight) == [(0, "allreduce.w")]
     assert len(queue.take()) == 101
+
+
+def test_a_burst_is_waited_for_until_it_is_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(intake, "QUIET_S", 0.05)
+    queue = RequestQueue()
+    queue.put(Request(_meta(0, name="allreduce.a"), [], None), lambda: None)
+    start = time.perf_counter()
+    queue.let_burst_finish(cycle_time_ms=1000.0)
+    assert time.perf_counter() - start >= 0.05
+
+
+@pytest.mark.parametrize("before", [0, 3])
+def test_a_request_that_runs_alone_ends_the_burst(
+    monkeypatch: pytest.MonkeyPatch, before: int
+) -> None:
+    # A gradient bucket (fuse=False) is negotiated as soon as the engine sees it: waiting
+    # for more submissions would fuse nothing with it and only delay its transfer.
+    monkeypatch.setattr(intake, "QUIET_S", 30.0)
+    queue = RequestQueue()
+    for index in range(before):
+        queue.put(Request(_meta(0, name=f"allreduce.g{index}"), [], None), lambda: None)
+    queue.put(Request(_meta(0, name="allreduce.bucket", fuse=False), [], None), lambda: None)
+    start = time.perf_counter()
+    queue.let_burst_finish(cycle_time_ms=10_000.0)
+    assert time.perf_counter() - start < 5.0
+    assert len(queue.take()) == before + 1
