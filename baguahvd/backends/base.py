@@ -58,6 +58,15 @@ class Started(abc.ABC):
     def wait(self) -> None:
         """Returns once it has completed; raises its error."""
 
+    def notify(self, callback: Callable[[], object]) -> bool:
+        """Has ``callback()`` called, from any thread, once the collective has ended
+        (completed or failed; at once if it has), after which :meth:`test` from another
+        thread is True or raises. The callback may run in the transport's thread before
+        the collective is marked done there, so it must not wait for it (setting an event
+        is what it is for). False where the transport cannot tell: then only :meth:`test`
+        says."""
+        return False
+
 
 class Finished(Started):
     """A collective that ran to its end in the call that started it."""

@@ -101,6 +101,7 @@ class EngineLoop:
             queue, lifecycle, dispatch, timeline
         )
         self.clock = clock
+        dispatch.pending.woken = queue.wake  # host units wake the engine when they finish
         self.submissions = submissions
         self.inspector = StallInspector(
             config.stall_check_time_s, config.stall_shutdown_time_s, config.stall_check_disable

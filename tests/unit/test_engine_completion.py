@@ -6,12 +6,20 @@ their second part."""
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
 
+from baguahvd.backends.base import Started
 from baguahvd.common.exceptions import ShutDownError
-from baguahvd.engine.execution.completion import CollectiveFailure, Completions, Outcome
+from baguahvd.engine.execution.completion import (
+    CollectiveFailure,
+    Completions,
+    HostLaunched,
+    Outcome,
+)
 from baguahvd.engine.messages import OpType, RequestMeta, build_response
 from baguahvd.engine.requests import Request
 
@@ -206,3 +214,59 @@ def test_an_error_seen_after_the_first_part_stops_the_rest() -> None:
         completions.poll()
     assert info.value.unit[0][1] is request
     assert log == []
+
+
+class _HostAllreduce(Started):
+    """A host transport's started allreduce that ends when the test says so, and tells
+    the callbacks given to :meth:`notify` where ``tells``."""
+
+    def __init__(self, tells: bool) -> None:
+        self.tells = tells
+        self.tests = 0
+        self.ended = False
+        self.callbacks: list[Callable[[], object]] = []
+
+    def test(self) -> bool:
+        self.tests += 1
+        return self.ended
+
+    def wait(self) -> None:
+        self.ended = True
+
+    def notify(self, callback: Callable[[], object]) -> bool:
+        if not self.tells:
+            return False
+        self.callbacks.append(callback)
+        return True
+
+    def end(self) -> None:
+        self.ended = True
+        for callback in self.callbacks:
+            callback()
+
+
+@pytest.mark.parametrize("tells", [True, False])
+def test_a_host_unit_that_tells_when_it_ends_is_not_polled(tells: bool) -> None:
+    # The engine waits for its next cycle in Completions.wait; a host unit whose transport
+    # tells when it ends wakes it then, instead of being polled every millisecond.
+    completions, order = _completions()
+    wake = threading.Event()
+    completions.woken = wake
+    started = _HostAllreduce(tells)
+    request = Request(_meta(0, name="bucket"), [torch.ones(1)], None)
+    response = build_response([request.meta], (0, 1), ())
+    completions.add(completions.host, HostLaunched((started,)), [(response, request)],
+                    [Outcome(request, [])])
+    timer = threading.Timer(0.2, started.end)
+    timer.start()
+    begin = time.monotonic()
+    completions.wait(wake, 0.6 if tells else 0.4)
+    timer.join()
+    if tells:
+        assert wake.is_set() and time.monotonic() - begin < 0.5
+        assert request.handle.done() and order == ["bucket"]
+        assert started.tests <= 3
+    else:
+        # Polled (the first unit's polls double up to a millisecond): found all the same.
+        assert request.handle.done() and order == ["bucket"]
+        assert started.tests > 20

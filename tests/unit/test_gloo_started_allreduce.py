@@ -66,3 +66,38 @@ def test_other_transports_run_the_allreduce_in_the_call() -> None:
     started = comm.start_allreduce(x, y, ReduceOp.SUM)
     assert isinstance(started, Finished) and started.test() and y.tolist() == [1.0, 1.0]
     started.wait()
+
+
+def test_a_started_allreduce_tells_when_it_ends_and_test_agrees() -> None:
+    # gloo completes the future (and runs its callbacks) just before the work says it is
+    # completed: test() from another thread counts it as done once the callback has run.
+    def body(control: GlooControlPlane) -> list[bool]:
+        comm = control.create_group_comm(range(control.size))
+        assert comm is not None
+        seen = []
+        for _ in range(5):
+            tensor = torch.full((1 << 16,), float(comm.rank + 1))
+            started = comm.start_allreduce(tensor, tensor, ReduceOp.SUM)
+            told = threading.Event()
+            assert started.notify(told.set)
+            assert told.wait(30)
+            seen.append(started.test())
+            assert tensor.unique().tolist() == [3.0]
+        return seen
+
+    for seen in run_ranks(2, body):
+        assert seen == [True] * 5
+
+
+def test_a_finished_allreduce_tells_at_once() -> None:
+    def body(control: GlooControlPlane) -> bool:
+        comm = control.create_group_comm(range(control.size))
+        assert comm is not None
+        tensor = torch.ones(4)
+        started = comm.start_allreduce(tensor, tensor, ReduceOp.SUM)
+        started.wait()
+        told = threading.Event()
+        assert started.notify(told.set)
+        return told.is_set()
+
+    assert run_ranks(2, body) == [True, True]

@@ -280,10 +280,26 @@ class PendingWork(Started):
         self._finish = finish
         self._failed = failed
         self._done = False
+        self._future: Any = None
+
+    def notify(self, callback: Callable[[], object]) -> bool:
+        """Calls ``callback()`` when gloo's future for the collective completes (in gloo's
+        thread, or here if it has)."""
+        try:
+            future = self._work.get_future()
+        except RuntimeError:  # a work without a future: polled instead
+            return False
+        self._future = future
+        future.add_done_callback(lambda _: callback())
+        return True
 
     def test(self) -> bool:
-        """Whether the collective has completed (its output is then in place)."""
-        if not self._done and self._work.is_completed():
+        """Whether the collective has completed (its output is then in place). Its future
+        completes, and runs the callbacks of :meth:`notify`, just before its work says it
+        is completed: either counts (the wait for the work is then over at once)."""
+        if not self._done and (
+            self._work.is_completed() or (self._future is not None and self._future.done())
+        ):
             self.wait()
         return self._done
 
