@@ -42,7 +42,7 @@ from baguahvd.engine.execution.fusion import FusionPlans, unfused_sizes
 from baguahvd.engine.intake import RequestQueue
 from baguahvd.engine.lifecycle.states import Lifecycle, State
 from baguahvd.engine.messages import OpType
-from baguahvd.engine.negotiation.negotiator import Negotiator
+from baguahvd.engine.negotiation.negotiator import IDLE_PAUSE_MAX_S, Negotiator
 from baguahvd.engine.negotiation.stall import StallInspector
 from baguahvd.engine.notices import Decision, Notice, NoticeKind, describe_exception
 from baguahvd.engine.process_sets import ProcessSetState
@@ -58,6 +58,13 @@ ATTRIBUTION_S = 5.0
 the negotiation with rank 0 (the rank that died), before it raises the transport's error."""
 
 
+PAUSE_WHILE_TOLD_S = 0.064
+"""The pause between idle cycles while every unit in flight will wake the engine when it
+ends (gloo's allreduces: a step's gradient buckets over a slow link), instead of
+:data:`IDLE_PAUSE_MAX_S`: a submission or a finished transfer wakes the engine anyway, and
+each idle cycle's bitwise AND waits behind the transfers' bytes on the link. On the
+emulated 1 Gbit/s cluster the engine thread's CPU time per step fell from 34 to 22-24 ms;
+an announcement (a rank shutting down) reaches an idle rank within this pause."""
 POLL_DURING_AND_S = 2e-4
 """How often the engine thread looks at the units it launched while it waits in a cycle's
 bitwise AND."""
@@ -152,6 +159,8 @@ class EngineLoop:
                 # waiting for this rank to announce what it has; an idle job pauses longer.
                 # Meanwhile, device units launched earlier complete as they finish.
                 pause = self.negotiation.pause_s(cycle_ms)
+                if pause >= IDLE_PAUSE_MAX_S and pending.all_tell():
+                    pause = PAUSE_WHILE_TOLD_S
                 pending.wait(queue.wake, pause, self.clock)
                 queue.wake.clear()
                 queue.let_burst_finish(cycle_ms)

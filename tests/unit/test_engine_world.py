@@ -419,20 +419,52 @@ class _Gated(Started):
         self.test()
 
 
+class _Telling(_Gated):
+    """A gated allreduce that tells the callbacks given to :meth:`notify` when it has ended,
+    as gloo's futures do."""
+
+    def __init__(self, run: Callable[[], None], gate: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], object]] = []
+        self._ended = False
+
+        def run_and_tell() -> None:
+            try:
+                run()
+            finally:
+                with self._lock:
+                    self._ended = True
+                    callbacks, self._callbacks = self._callbacks, []
+                for callback in callbacks:
+                    callback()
+
+        super().__init__(run_and_tell, gate)
+
+    def notify(self, callback: Callable[[], object]) -> bool:
+        with self._lock:
+            if not self._ended:
+                self._callbacks.append(callback)
+                return True
+        callback()
+        return True
+
+
 class _Launching:
     """A rank's data communicator whose allreduces are started on threads of their own, as
-    gloo's are, and held until ``gate`` is set; its other collectives are the inner one's."""
+    gloo's are, and held until ``gate`` is set; its other collectives are the inner one's.
+    With ``tells``, they tell when they have ended (:class:`_Telling`)."""
 
     launches_allreduce = True
 
-    def __init__(self, inner: Communicator, gate: threading.Event) -> None:
-        self.inner, self.gate = inner, gate
+    def __init__(self, inner: Communicator, gate: threading.Event, tells: bool = False) -> None:
+        self.inner, self.gate, self.tells = inner, gate, tells
         self.rank, self.size = inner.rank, inner.size
 
     def start_allreduce(
         self, tensor_in: torch.Tensor, tensor_out: torch.Tensor, op: ReduceOp
     ) -> Started:
-        return _Gated(lambda: self.inner.allreduce(tensor_in, tensor_out, op), self.gate)
+        kind = _Telling if self.tells else _Gated
+        return kind(lambda: self.inner.allreduce(tensor_in, tensor_out, op), self.gate)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -456,6 +488,44 @@ def test_units_still_running_leave_the_job_idle_and_complete_during_its_pause(jo
     gate.set()
     for handle in handles:
         assert torch.equal(_result(handle), torch.full((4,), 6.0))
+
+
+def test_an_idle_job_pauses_longer_while_its_units_will_tell_when_they_end(
+    stepped: tuple[Job, SteppedClock],
+) -> None:
+    # Units whose transport tells when they end wake the engine themselves: while only
+    # they are in flight the idle pause grows past IDLE_PAUSE_MAX_S to PAUSE_WHILE_TOLD_S,
+    # and the end of the units wakes every rank without the clock moving.
+    job, clock = stepped
+    gate = threading.Event()
+    for engine in job.engines:
+        state = engine.process_sets[GLOBAL_PROCESS_SET_ID]
+        state.comm = _Launching(state.comm, gate, tells=True)
+    clock.wait_for(waiting=SIZE)
+    handles = [
+        _allreduce(engine, torch.full((4,), float(rank + 1)), "told", fuse=False)
+        for rank, engine in enumerate(job.engines)
+    ]
+    since = len(clock.waits)
+    for _ in range(12):
+        clock.step(waiting=SIZE)
+    clock.wait_for(waiting=SIZE)
+    for rank in range(SIZE):
+        pauses = clock.pauses(rank, since)
+        assert pauses[-1] == pytest.approx(loop.PAUSE_WHILE_TOLD_S)
+        assert max(pauses) == pytest.approx(loop.PAUSE_WHILE_TOLD_S)
+    assert not any(handle.done() for handle in handles)
+    at = clock.now
+    gate.set()
+    for handle in handles:
+        assert torch.equal(_result(handle), torch.full((4,), 6.0))
+    assert clock.now == at
+    # With nothing in flight, the idle pause is IDLE_PAUSE_MAX_S again.
+    since = len(clock.waits)
+    for _ in range(3):
+        clock.step(waiting=SIZE)
+    for rank in range(SIZE):
+        assert clock.pauses(rank, since)[-1] == pytest.approx(IDLE_PAUSE_MAX_S)
 
 
 def test_jobs_with_process_sets_keep_the_cycle_time_while_idle(

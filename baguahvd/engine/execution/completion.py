@@ -195,6 +195,11 @@ class Completions:
         )
         self._units.append(_Pending(comm, launched, unit, outcomes, then, told))
 
+    def all_tell(self) -> bool:
+        """Whether units are in flight and each will wake the engine when it has ended."""
+        units = self._units
+        return bool(units) and all([pending.told for pending in units])
+
     def complete(self, unit: list[Entry], outcomes: list[Outcome]) -> None:
         """Completes the handles of a unit that ran in the call: at once, or, while units
         launched before it still run, after them (a barrier returns once the allreduces
@@ -284,7 +289,7 @@ class Completions:
             if not units:
                 clock.wait(wake, left)
                 return
-            if wake is self.woken and all([pending.told for pending in units]):
+            if wake is self.woken and self.all_tell():
                 # Each unit wakes the engine when it has finished: no polling meanwhile.
                 clock.wait(wake, left)
             else:
