@@ -15,7 +15,8 @@ handle (every completion is marked: the bucket's are those after its end). Per t
 each rank prints its events in ms from rank 0's step start, then a summary: per bucket the
 delay from the later rank's submission to its start on this rank, the delay from the last
 transfer's end to the next completion, and the cycles the engine ran while the transfers
-were in flight.
+were in flight. Each rank's CPU time per timed step follows (from ``/proc``): its main
+thread, the engine thread, and every other thread together (gloo's and MPI's).
 
 With ``--ddp`` the same model runs under torch's ``DistributedDataParallel`` over gloo
 instead, with a communication hook that does what DDP's default one does (divide the bucket
@@ -30,6 +31,7 @@ import argparse
 import os
 import statistics
 import sys
+import threading
 import time
 from typing import Any
 
@@ -153,6 +155,33 @@ def _build(use_ddp: bool) -> tuple[Any, Any]:
     )
 
 
+def _cpu_by_thread() -> dict[int, float]:
+    """CPU seconds used so far by each thread of this process (Linux; empty elsewhere)."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        used = {}
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            used[int(tid)] = (int(fields[11]) + int(fields[12])) / ticks
+        return used
+    except OSError:
+        return {}
+
+
+def _cpu_summary(before: dict[int, float], after: dict[int, float], steps: int) -> str:
+    """CPU ms per step: the main thread, baguahvd's engine thread, the other threads
+    together (gloo's and MPI's)."""
+    named = {t.native_id: t.name for t in threading.enumerate()}
+    parts = {"main": 0.0, "engine": 0.0, "others": 0.0}
+    for tid, seconds in after.items():
+        name = named.get(tid, "")
+        key = ("main" if name == "MainThread" else "engine" if name == "baguahvd-engine"
+               else "others")
+        parts[key] += 1e3 * (seconds - before.get(tid, 0.0)) / steps
+    return ", ".join(f"{key} {value:.1f}" for key, value in parts.items())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--warmup", type=int, default=5)
@@ -173,7 +202,10 @@ def main() -> None:
                            generator=generator)
     loss_fn = torch.nn.CrossEntropyLoss()
     steps: list[float] = []
+    cpu_before: dict[int, float] = {}
     for index in range(args.warmup + args.steps):
+        if index == args.warmup:
+            cpu_before = _cpu_by_thread()
         comm.Barrier()
         _events.clear()
         origin = comm.bcast(time.perf_counter(), 0)
@@ -193,8 +225,12 @@ def main() -> None:
         theirs = [other for index, other in enumerate(everyone) if index != rank]
         print(f"rank {rank} step {index}: {line}\n  {_summary(events, theirs)}",
               flush=True)
+    cpu = _cpu_summary(cpu_before, _cpu_by_thread(), args.steps)
+    cpu_lines = comm.gather(cpu, 0)
     if rank == 0:
         print(f"median step {1e3 * statistics.median(steps[args.warmup:]):.1f} ms", flush=True)
+        for index, line in enumerate(cpu_lines or ()):
+            print(f"rank {index} CPU ms per timed step: {line}", flush=True)
     if not args.ddp:
         hvd.shutdown()
 
