@@ -146,8 +146,8 @@ class RequestQueue:
 
     def _alone(self) -> bool:
         """Whether the queue is empty or its newest request runs alone (``fuse=False``: a
-        gradient bucket, see :mod:`baguahvd.torch.buckets`), which no longer burst would
-        fuse with anything: its transfer should start now."""
+        gradient bucket, see :mod:`baguahvd.torch.buckets`): a longer burst would fuse
+        nothing with it, and its transfer should start now."""
         queue = self._queue
         return not queue or not queue[-1].meta.fuse
 

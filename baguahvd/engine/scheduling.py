@@ -28,7 +28,8 @@ A thread with a shorter slice gets an earlier deadline, so its wake-ups preempt 
 thread instead of waiting for that thread's slice to end. On the emulated 2-host cluster
 (``benchmarks/bucket_timeline.py``, two ranks on two cores) the first gradient bucket
 started 1.0-6.2 ms after the later rank handed it over with the default slice, 1.1-2.6 ms
-with this one."""
+with this one (two alternated pairs of runs,
+``benchmarks/results/bucket_timeline/wakeups/timeline_1gbit_slice_ab.txt``)."""
 
 _SCHED_SETATTR = {"x86_64": 314, "aarch64": 274, "riscv64": 274, "ppc64le": 355, "s390x": 345}
 """``sched_setattr``'s system call number per machine (``sched_getattr`` is the next)."""

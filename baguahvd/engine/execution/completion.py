@@ -177,7 +177,7 @@ class Completions:
         finished (:meth:`Started.notify`): :meth:`wait` then sleeps until then instead of
         polling every millisecond. On the emulated 1 Gbit/s cluster, where a step's
         buckets are in flight for 280 ms, the engine thread's CPU time per step fell from
-        40 to 30 ms (``benchmarks/results/bucket_timeline/burst_and_slice/``)."""
+        40 to 30 ms (``benchmarks/results/bucket_timeline/NOTES.md``)."""
 
     def __len__(self) -> int:
         return len(self._units)
