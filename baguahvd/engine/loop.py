@@ -62,9 +62,12 @@ PAUSE_WHILE_TOLD_S = 0.064
 """The pause between idle cycles while every unit in flight will wake the engine when it
 ends (gloo's allreduces: a step's gradient buckets over a slow link), instead of
 :data:`IDLE_PAUSE_MAX_S`: a submission or a finished transfer wakes the engine anyway, and
-each idle cycle's bitwise AND waits behind the transfers' bytes on the link. On the
-emulated 1 Gbit/s cluster the engine thread's CPU time per step fell from 34 to 22-24 ms;
-an announcement (a rank shutting down) reaches an idle rank within this pause."""
+each idle cycle's bitwise AND waits behind the transfers' bytes on the link. An
+announcement (a rank shutting down) reaches an idle rank within this pause. With
+:attr:`Completions.woken` it took the engine thread's CPU time per step on the emulated
+1 Gbit/s cluster from 31-44 ms to 16-28 (``benchmarks/results/bucket_timeline/NOTES.md``)."""
+
+
 POLL_DURING_AND_S = 2e-4
 """How often the engine thread looks at the units it launched while it waits in a cycle's
 bitwise AND."""

@@ -175,9 +175,9 @@ class Completions:
         self.woken: threading.Event | None = None
         """The engine's wake-up, which a host unit sets when its transport says it has
         finished (:meth:`Started.notify`): :meth:`wait` then sleeps until then instead of
-        polling every millisecond. On the emulated 1 Gbit/s cluster, where a step's
-        buckets are in flight for 280 ms, the engine thread's CPU time per step fell from
-        40 to 30 ms (``benchmarks/results/bucket_timeline/NOTES.md``)."""
+        polling every millisecond, which on the emulated 1 Gbit/s cluster (a step's
+        buckets in flight for 280 ms) was most of the engine thread's CPU time per step
+        (see ``loop.PAUSE_WHILE_TOLD_S``)."""
 
     def __len__(self) -> int:
         return len(self._units)
