@@ -229,8 +229,9 @@ class Config:
     """DistributedOptimizer's default path keeps gradients in flat buckets from its second
     step on, each allreduced in place as one request when its last gradient is ready, with
     no copy through a fusion buffer (BAGUAHVD_GRADIENT_BUCKETS; on by default). Gradients
-    become views of the buckets and ``zero_grad()`` zeroes them rather than setting them to
-    None. 0 reduces every gradient as its own request, as Horovod does."""
+    become views of the buckets (``zero_grad()`` sets them to None; backward points them at
+    their views again, zeroed). 0 reduces every gradient as its own request, as Horovod
+    does."""
     check_call_sites: bool = False
     """Record the call site of every unnamed collective and fail those that ranks pair from
     different sites (BAGUAHVD_CHECK_CALL_SITES). Off by default: a script may legitimately

@@ -16,10 +16,15 @@ The protocol, per optimizer:
    first member saw due well after the one before it; each of the user's ``groups`` whose
    members can all be bucketed is a bucket of its own.
 3. Each bucket owns one flat buffer, and each member's ``.grad`` becomes a view of it, so
-   that autograd accumulates straight into the buffer. ``zero_grad()`` zeroes the buffers
-   instead of dropping the views. A gradient found replaced when it becomes due (set to
-   None by ``model.zero_grad()``, assigned by the user, rebuilt by ``create_graph``) is
-   copied into its view, and ``.grad`` points at the view again.
+   that autograd accumulates straight into the buffer. ``zero_grad()`` sets gradients to
+   None, as torch's does; just before autograd accumulates the bucket's first gradient of
+   a step (a pre-hook on that parameter's gradient accumulator, :meth:`GradientBucket.fill`),
+   the members without a gradient get their views back, zeroed. So a buffer is zeroed
+   when backward reaches it, not at ``zero_grad()``: on the CPU, zeroing every bucket
+   before the forward pass put the whole memset (33.6 MB: about 2 ms on two ranks) ahead
+   of the first bucket's transfer. A gradient found replaced when it becomes due
+   (assigned by the user, rebuilt by ``create_graph``, accumulated before the bucket's
+   first) is copied into its view, and ``.grad`` points at the view again.
 4. When the last member of a bucket is due, the flat buffer (compressed as a whole with the
    built-in fp16/bf16 compressors) is allreduced in place as one request, which the engine
    neither fuses with others nor copies. The request is named
@@ -236,6 +241,25 @@ class GradientBucket:
         for p, view in zip(self.params, self.views):
             adopt(p, view)
 
+    def fill(self) -> None:
+        """Points every member without a gradient at its view, zeroed: the whole buffer in
+        one pass when no member holds its view (after ``zero_grad()``), else only the
+        views it hands out. Runs before autograd accumulates the bucket's first gradient
+        of a step."""
+        params, views = self.params, self.views
+        missing = [index for index, p in enumerate(params) if p.grad is None]
+        if not missing:
+            return
+        if len(missing) == len(params) or not any(
+            [p.grad is view for p, view in zip(params, views)]
+        ):
+            self.buffer.zero_()
+        else:
+            for index in missing:
+                views[index].zero_()
+        for index in missing:
+            params[index].grad = views[index]
+
 
 def adopt(p: torch.Tensor, view: torch.Tensor) -> None:
     """Makes ``view`` the gradient of ``p``, holding what ``p.grad`` holds (zeros for None)."""
@@ -260,6 +284,7 @@ class GradientBuckets:
         factors: tuple[float, float],
         compression: Any,
         process_set: ProcessSet,
+        order: Sequence[str] = (),
     ) -> None:
         self.buckets = [
             GradientBucket(index, names, [params[name] for name in names])
@@ -279,6 +304,24 @@ class GradientBuckets:
         members may have none."""
         for bucket in self.buckets:
             bucket.attach()
+        position = {name: index for index, name in enumerate(order)}
+        self.fills = [
+            _fill_before_accumulating(
+                params[min(names, key=lambda name: position.get(name, len(position)))],
+                bucket,
+            )
+            for bucket, names in zip(self.buckets, layout)
+        ]
+        """Per bucket, the gradient accumulator of the member that ``order`` (the agreed
+        order in which gradients became due) lists first, and its pre-hook's handle,
+        which :meth:`GradientBucket.fill` the bucket: held, because autograd keeps a
+        parameter's accumulator (and its hooks) only while something refers to it."""
+
+    def close(self) -> None:
+        """Removes the pre-hooks (the optimizer drops these buckets)."""
+        for _, handle in self.fills:
+            handle.remove()
+        self.fills = []
 
     def due(self, p: torch.Tensor) -> bool:
         """Marks the gradient of ``p`` as due; submits its bucket when it is the last.
@@ -336,14 +379,20 @@ class GradientBuckets:
             bucket.in_flight = None
             bucket.remaining = len(bucket.params)
 
-    def zero_grads(self) -> None:
-        """``zero_grad(set_to_none=True)`` for bucketed parameters: zeroes each buffer at
-        once and keeps (or restores) the views as gradients."""
-        for bucket in self.buckets:
-            bucket.buffer.zero_()
-            for p, view in zip(bucket.params, bucket.views):
-                if p.grad is not view:
-                    p.grad = view
+
+def _fill_before_accumulating(p: torch.Tensor, bucket: GradientBucket) -> tuple[Any, Any]:
+    """Registers ``bucket.fill`` as a pre-hook of ``p``'s gradient accumulator, which runs
+    in ``backward()`` only (not in ``torch.autograd.grad``), just before autograd adds
+    ``p``'s gradient to ``p.grad``; returns the accumulator and the hook's handle."""
+    with torch.enable_grad():
+        node = p.view_as(p).grad_fn
+    accumulator = None if node is None else node.next_functions[0][0]
+    assert accumulator is not None  # p is a leaf that requires grad
+
+    def fill(_: Any) -> None:
+        bucket.fill()
+
+    return accumulator, accumulator.register_prehook(fill)
 
 
 def layout_with_groups(

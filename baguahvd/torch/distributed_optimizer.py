@@ -45,9 +45,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
     From the second step on, dense contiguous gradients are views of flat buckets (per dtype
     and device, in the order backward produces them, up to the fusion threshold each), and
     each bucket is allreduced in place as one request once its last gradient is ready, with
-    no copy through a fusion buffer; ``zero_grad()`` then zeroes gradients instead of
-    setting them to None. ``BAGUAHVD_GRADIENT_BUCKETS=0`` reduces every gradient on its own,
-    as Horovod does (see :mod:`baguahvd.torch.buckets`).
+    no copy through a fusion buffer. ``zero_grad()`` sets gradients to None, as torch's
+    does, and backward points them at their views again, each bucket zeroed just before
+    autograd accumulates into it. ``BAGUAHVD_GRADIENT_BUCKETS=0`` reduces every gradient on
+    its own, as Horovod does (see :mod:`baguahvd.torch.buckets`).
 
     Args:
         optimizer: the optimizer to wrap.

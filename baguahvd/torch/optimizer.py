@@ -139,6 +139,7 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         elastic reset the members may have changed, so the next step records again."""
         buckets = self._buckets
         if buckets is not None and buckets.engine is not runtime.engine:
+            buckets.close()
             self._buckets = buckets = None
             self._recording = Recording()
         return buckets
@@ -262,7 +263,8 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         layout = layout_with_groups(order, params, self._groups, names, threshold, breaks)
         if layout:
             self._buckets = GradientBuckets(
-                layout, params, self.op, self._factors(), self._compression, self.process_set
+                layout, params, self.op, self._factors(), self._compression, self.process_set,
+                order,
             )
 
     def _order(self, p: torch.Tensor) -> str:
@@ -286,20 +288,9 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         # countdowns from the gradients.
         if self._handles or self._group_ready or self._passes_started():
             raise AssertionError(ZERO_GRAD_RACE)
-        buckets = self._buckets
-        if buckets is None or not set_to_none:
-            return self._wrapped_optimizer_class.zero_grad(  # type: ignore[misc]
-                self, set_to_none
-            )
-        # Bucketed gradients stay views, zeroed a buffer at a time, as with DDP's
-        # gradient_as_bucket_view; the others are dropped.
-        slots = buckets.slots
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and p not in slots:
-                    p.grad = None
-        buckets.zero_grads()
-        return None
+        # Bucketed gradients too: backward points them at their zeroed views again
+        # (GradientBucket.fill).
+        return self._wrapped_optimizer_class.zero_grad(self, set_to_none)  # type: ignore[misc]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._handles.clear()

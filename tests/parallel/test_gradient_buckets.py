@@ -368,6 +368,44 @@ def test_no_bytes_through_fusion_buffers(monkeypatch: pytest.MonkeyPatch, rank: 
         assert_views_in_ready_order(model)
 
 
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+def test_backward_accumulates_into_views_that_zero_grad_dropped(
+    monkeypatch: pytest.MonkeyPatch, rank: int, size: int, zero: str
+) -> None:
+    """zero_grad() sets gradients to None, as torch's does; the next backward points them
+    at their views again (each bucket zeroed just before autograd's first accumulation into
+    it) without copying any gradient into a view."""
+    from baguahvd.torch import buckets as buckets_module
+
+    use_buckets(monkeypatch, True)
+    copies = []
+    adopt = buckets_module.adopt
+
+    def counted(p: torch.Tensor, view: torch.Tensor) -> None:
+        if p.grad is not None and p.grad is not view:
+            copies.append(p)
+        adopt(p, view)
+
+    monkeypatch.setattr(buckets_module, "adopt", counted)
+    model = Many(layers=6)
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
+                                         named_parameters=model.named_parameters())
+    for step in range(STEPS):
+        optimizer.zero_grad() if zero == "optimizer" else model.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+        copies.clear()  # the first step's end moves its gradients into the new views
+        many_loss(model, rank, step).backward()
+        optimizer.step()
+    assert copies == []
+    if hooked():
+        built = optimizer._buckets  # type: ignore[attr-defined]
+        assert built is not None
+        views = {id(p): view for bucket in built.buckets
+                 for p, view in zip(bucket.params, bucket.views)}
+        assert all(p.grad is views[id(p)] for p in model.parameters())
+        assert_views_in_ready_order(model)
+
+
 def assert_views_in_ready_order(model: Many) -> None:
     """The gradients are views of one buffer, the last layer's first."""
     grads = [[p.grad for p in layer.parameters()] for layer in model.layers]

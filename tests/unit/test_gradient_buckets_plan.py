@@ -120,6 +120,28 @@ def test_views_share_the_buffer_and_adopt_what_grad_holds() -> None:
     assert bucket.buffer[:6].tolist() == [0.0] * 6
 
 
+def test_fill_hands_out_zeroed_views_to_the_members_without_a_gradient() -> None:
+    p, q, r = (torch.zeros(2, requires_grad=True) for _ in range(3))
+    bucket = GradientBucket(0, ["p", "q", "r"], [p, q, r])
+    bucket.attach()
+    bucket.buffer.fill_(9.0)  # last step's gradients
+    for x in (p, q, r):
+        x.grad = None  # zero_grad()
+    bucket.fill()
+    assert [x.grad is view for x, view in zip((p, q, r), bucket.views)] == [True] * 3
+    assert bucket.buffer.tolist() == [0.0] * 6
+    # q keeps its accumulated view, r holds a gradient of its own, p has none: only p's
+    # view is zeroed, and r's gradient stays r's until it is adopted.
+    bucket.buffer.fill_(3.0)
+    p.grad, r.grad = None, torch.full((2,), 7.0)
+    bucket.fill()
+    assert p.grad is bucket.views[0] and q.grad is bucket.views[1]
+    assert r.grad is not bucket.views[2] and r.grad.tolist() == [7.0, 7.0]
+    assert bucket.buffer.tolist() == [0.0, 0.0, 3.0, 3.0, 3.0, 3.0]
+    bucket.fill()  # nothing missing: nothing changes
+    assert bucket.buffer.tolist() == [0.0, 0.0, 3.0, 3.0, 3.0, 3.0]
+
+
 def test_buckets_are_held_to_the_bucket_size_below_the_fusion_threshold() -> None:
     mib = 1 << 20
     assert bucket_threshold(128 * mib, 10 * mib) == 10 * mib
