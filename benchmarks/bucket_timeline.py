@@ -8,10 +8,10 @@ every rank, over gloo: where a step's time goes beside the transfers themselves.
 The model and batch are ``algorithms.py``'s (the 33.6 MB MLP, SGD with momentum). For this
 run only, the package's steps are wrapped with timestamps (``time.perf_counter``, one clock
 for every process of the machine): a bucket handed to the engine (its last gradient is
-ready), every engine cycle (each is one round of the ranks' bitwise AND over the control
-plane), the start of the bucket's gloo allreduce, its end (the callback of gloo's future,
-which fires in gloo's own thread as soon as the transfer ends) and the completion of its
-handle (every completion is marked: the bucket's are those after its end). Per timed step,
+ready), the end of ``zero_grad()`` and of the forward pass, every engine cycle (each is one
+round of the ranks' bitwise AND over the control plane), the start of the bucket's gloo
+allreduce, its end (the callback of gloo's future, which fires in gloo's own thread as soon
+as the transfer ends) and the completion of its handle (every completion is marked: the bucket's are those after its end). Per timed step,
 each rank prints its events in ms from rank 0's step start, then a summary: per bucket the
 delay from the later rank's submission to its start on this rank, the delay from the last
 transfer's end to the next completion, and the cycles the engine ran while the transfers
