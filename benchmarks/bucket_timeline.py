@@ -11,12 +11,13 @@ for every process of the machine): a bucket handed to the engine (its last gradi
 ready), the end of ``zero_grad()`` and of the forward pass, every engine cycle (each is one
 round of the ranks' bitwise AND over the control plane), the start of the bucket's gloo
 allreduce, its end (the callback of gloo's future, which fires in gloo's own thread as soon
-as the transfer ends) and the completion of its handle (every completion is marked: the bucket's are those after its end). Per timed step,
-each rank prints its events in ms from rank 0's step start, then a summary: per bucket the
-delay from the later rank's submission to its start on this rank, the delay from the last
-transfer's end to the next completion, and the cycles the engine ran while the transfers
-were in flight. Each rank's CPU time per timed step follows (from ``/proc``): its main
-thread, the engine thread, and every other thread together (gloo's and MPI's).
+as the transfer ends) and the completion of its handle (every completion is marked: the
+bucket's are those after its end). Per timed step, each rank prints its events in ms from
+rank 0's step start, then a summary: per bucket the delay from the later rank's submission
+to its start on this rank, the delay from the last transfer's end to the next completion,
+and the cycles the engine ran while the transfers were in flight. Each rank's CPU time per
+timed step follows (from ``/proc``): its main thread, the engine thread, and every other
+thread together (gloo's and MPI's).
 
 With ``--ddp`` the same model runs under torch's ``DistributedDataParallel`` over gloo
 instead, with a communication hook that does what DDP's default one does (divide the bucket

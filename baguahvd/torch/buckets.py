@@ -250,9 +250,7 @@ class GradientBucket:
         missing = [index for index, p in enumerate(params) if p.grad is None]
         if not missing:
             return
-        if len(missing) == len(params) or not any(
-            [p.grad is view for p, view in zip(params, views)]
-        ):
+        if not any([p.grad is view for p, view in zip(params, views)]):
             self.buffer.zero_()
         else:
             for index in missing:
@@ -313,9 +311,9 @@ class GradientBuckets:
             for bucket, names in zip(self.buckets, layout)
         ]
         """Per bucket, the gradient accumulator of the member that ``order`` (the agreed
-        order in which gradients became due) lists first, and its pre-hook's handle,
-        which :meth:`GradientBucket.fill` the bucket: held, because autograd keeps a
-        parameter's accumulator (and its hooks) only while something refers to it."""
+        order in which gradients became due) lists first, and the handle of its pre-hook,
+        which fills the bucket (:meth:`GradientBucket.fill`). Held: autograd keeps a
+        parameter's accumulator, and so its hooks, only while something refers to it."""
 
     def close(self) -> None:
         """Removes the pre-hooks (the optimizer drops these buckets)."""
