@@ -238,6 +238,11 @@ class Pending(abc.ABC):
         operation completes. The default sleeps."""
         time.sleep(timeout_s)
 
+    def notify(self, callback: Callable[[], object]) -> bool:
+        """Has ``callback()`` called, from any thread, once the operation has ended (as
+        :meth:`Started.notify`). False where the transport cannot tell."""
+        return False
+
     @abc.abstractmethod
     def result(self) -> np.ndarray:
         """The operation's result, once :meth:`test` has returned True."""

@@ -8,9 +8,10 @@ before any runs; the work goes through the fusion plan to the dispatcher, unit b
 the cycle decided about autotune settings is applied at its end.
 
 The AND is the cycle's one wait for the other ranks, and this loop does it: the control
-plane only starts it, and between the waits of :func:`~baguahvd.backends.base.waits` the
-loop checks whether the engine has stopped (a peer's alarm, a lost peer) and gives up then,
-and completes the units it launched earlier that have finished meanwhile. Nothing below
+plane only starts it, and between the waits of
+:meth:`~baguahvd.engine.execution.completion.Completions.through` the loop checks whether
+the engine has stopped (a peer's alarm, a lost peer) and gives up then; the units it
+launched earlier that have finished meanwhile complete. Nothing below
 calls back into the engine. The protocol is in :mod:`baguahvd.engine.engine`; a failure on
 this thread ends the job as :meth:`EngineLoop.run` says.
 """
@@ -26,7 +27,7 @@ from typing import NoReturn
 import numpy as np
 import torch
 
-from baguahvd.backends.base import ControlPlane, waits
+from baguahvd.backends.base import ControlPlane
 from baguahvd.common.config import Config
 from baguahvd.common.exceptions import HorovodInternalError, PeerFailureError, ShutDownError
 from baguahvd.engine.autotune import Autotuner, Settings
@@ -66,11 +67,6 @@ each idle cycle's bitwise AND waits behind the transfers' bytes on the link. An
 announcement (a rank shutting down) reaches an idle rank within this pause. With
 :attr:`Completions.woken` it took the engine thread's CPU time per step on the emulated
 1 Gbit/s cluster from 31-44 ms to 16-28 (``benchmarks/results/bucket_timeline/NOTES.md``)."""
-
-
-POLL_DURING_AND_S = 2e-4
-"""How often the engine thread looks at the units it launched while it waits in a cycle's
-bitwise AND."""
 
 
 class _Abandoned(Exception):
@@ -272,18 +268,9 @@ class EngineLoop:
         engine thread checks between waits whether the engine has stopped (a peer's alarm,
         a lost peer) and gives up then: the job is ending."""
         pending = self.control.start_bitwise_and(words)
-        units = self.dispatch.pending
-        next_poll = 0.0
         try:
-            for _ in waits(pending):
-                self._give_up_if_stopped()
-                if len(units):
-                    # Units launched earlier complete while the AND waits (over a slow
-                    # link it waits behind their bytes for milliseconds).
-                    now = time.perf_counter()
-                    if now >= next_poll:
-                        units.poll()
-                        next_poll = now + POLL_DURING_AND_S
+            # Units launched earlier complete while the AND waits.
+            self.dispatch.pending.through(pending, self._give_up_if_stopped)
         except RuntimeError as error:
             self._raise_attributed(error)
         return pending.result()

@@ -9,10 +9,11 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
-from baguahvd.backends.base import Started
+from baguahvd.backends.base import Pending, Started
 from baguahvd.common.exceptions import ShutDownError
 from baguahvd.engine.execution.completion import (
     CollectiveFailure,
@@ -270,3 +271,82 @@ def test_a_host_unit_that_tells_when_it_ends_is_not_polled(tells: bool) -> None:
         # Polled (the first unit's polls double up to a millisecond): found all the same.
         assert request.handle.done() and order == ["bucket"]
         assert started.tests > 20
+
+
+class _And(Pending):
+    """A cycle's bitwise AND that completes when the test says so, and tells the
+    callbacks given to :meth:`notify` where ``tells``."""
+
+    def __init__(self, tells: bool) -> None:
+        self.tells = tells
+        self.tests = 0
+        self.ended = False
+        self.callbacks: list[Callable[[], object]] = []
+
+    def test(self) -> bool:
+        self.tests += 1
+        return self.ended
+
+    def result(self) -> np.ndarray:
+        return np.zeros(1, dtype=np.uint8)
+
+    def notify(self, callback: Callable[[], object]) -> bool:
+        if not self.tells:
+            return False
+        self.callbacks.append(callback)
+        return True
+
+    def end(self) -> None:
+        self.ended = True
+        for callback in self.callbacks:
+            callback()
+
+
+@pytest.mark.parametrize("tells", [True, False])
+def test_a_unit_that_ends_during_the_and_completes_before_the_and_does(tells: bool) -> None:
+    # Over a slow link a cycle's AND waits behind the units' bytes: a unit that ends
+    # meanwhile completes at once. Where the AND and the units tell when they end, the
+    # engine thread sleeps until one does instead of testing every 0.1 ms.
+    completions, order = _completions()
+    completions.woken = threading.Event()
+    started = _HostAllreduce(tells)
+    request = Request(_meta(0, name="bucket"), [torch.ones(1)], None)
+    response = build_response([request.meta], (0, 1), ())
+    completions.add(completions.host, HostLaunched((started,)), [(response, request)],
+                    [Outcome(request, [])])
+    pending = _And(tells)
+    seen_at_and_end: list[bool] = []
+
+    def end_and() -> None:
+        seen_at_and_end.append(request.handle.done())
+        pending.end()
+
+    timers = [threading.Timer(0.1, started.end), threading.Timer(0.3, end_and)]
+    for timer in timers:
+        timer.start()
+    checks: list[float] = []
+    completions.through(pending, lambda: checks.append(time.monotonic()))
+    for timer in timers:
+        timer.join()
+    assert seen_at_and_end == [True] and order == ["bucket"]
+    if tells:
+        # The first 50 us spin (SPIN_S), then a test per wake-up.
+        assert pending.tests < 200 and started.tests < 40
+    else:
+        assert pending.tests > 1000
+
+
+def test_waiting_through_an_and_gives_up_when_told_to() -> None:
+    completions, _ = _completions()
+    pending = _And(tells=True)
+
+    class Stop(Exception):
+        pass
+
+    def check() -> None:
+        raise Stop
+
+    begin = time.monotonic()
+    with pytest.raises(Stop):
+        completions.through(pending, check)
+    assert time.monotonic() - begin < 0.2  # within a wait of TOLD_WAIT_S

@@ -369,7 +369,7 @@ def test_an_idle_job_pauses_longer_between_cycles_and_a_submission_wakes_it(
         assert paused.timeout_s == pytest.approx(IDLE_PAUSE_MAX_S) and paused.woken
 
 
-def test_the_idle_pause_keeps_the_cycle_time_while_a_rank_waits_for_the_others(
+def test_ranks_that_others_wait_for_keep_pausing_until_they_submit(
     stepped: tuple[Job, SteppedClock],
 ) -> None:
     job, clock = stepped
@@ -379,16 +379,19 @@ def test_the_idle_pause_keeps_the_cycle_time_while_a_rank_waits_for_the_others(
     clock.wait_for(waiting=SIZE)
     pending = _allreduce(job.engines[0], torch.ones(1), "early")
     since = len(clock.waits)
-    # Rank 0 announces its request every cycle without pausing; the others answer at the
-    # cycle time.
+    # Rank 0 announces its request every cycle without pausing; the others, with nothing
+    # of their own pending, go on pausing as long as an idle job does: what rank 0 waits
+    # for is their submission, which wakes them.
     for _ in range(10):
         clock.step(waiting=SIZE - 1)
     clock.wait_for(waiting=SIZE - 1)
     assert set(clock.pauses(0, since)) == {0.0}
     for rank in (1, 2):
-        assert clock.pauses(rank, since)[:10] == [base] * 10
+        assert clock.pauses(rank, since)[:10] == [IDLE_PAUSE_MAX_S] * 10 != [base] * 10
+    at = clock.now
     late = [_allreduce(job.engines[r], torch.ones(1), "early") for r in (1, 2)]
     assert [_result(h).item() for h in (pending, *late)] == [3.0, 3.0, 3.0]
+    assert clock.now == at  # agreed in the cycle their submissions started
 
 
 class _Gated(Started):

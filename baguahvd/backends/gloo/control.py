@@ -27,7 +27,7 @@ import os
 import pickle
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -232,9 +232,23 @@ class _PendingAnd(Pending):
         self._work = work
         self._result = result
         self._failed = failed
+        self._future: Any = None
+
+    def notify(self, callback: Callable[[], object]) -> bool:
+        """Calls ``callback()`` when gloo's future for the AND completes (in gloo's thread,
+        or here if it has)."""
+        try:
+            self._future = self._work.get_future()
+        except RuntimeError:  # a work without a future: tested instead
+            return False
+        self._future.add_done_callback(lambda _: callback())
+        return True
 
     def test(self) -> bool:
-        if not self._work.is_completed():
+        """Whether the AND has completed; its future's callbacks may run just before the
+        work says so, and either counts (as for the data plane's ``PendingWork``)."""
+        future = self._future
+        if not self._work.is_completed() and not (future is not None and future.done()):
             return False
         wait(self._work, self._failed)  # raises the collective's error, if any
         return True

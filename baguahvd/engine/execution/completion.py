@@ -28,13 +28,15 @@ tells when they end (gloo's futures) wake it instead of being polled. The protoc
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
-from baguahvd.backends.base import Started
+from baguahvd.backends.base import SPIN_S, Pending, Started, waits
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.engine.buffers import FusionBuffers, FusionPool
 from baguahvd.engine.clock import SYSTEM_CLOCK, Clock
@@ -87,6 +89,13 @@ def keep_named(exc: BaseException, otherwise: HorovodInternalError) -> HorovodIn
 
 _FIRST_POLL_S = 2e-6
 _LONGEST_POLL_S = 1e-3
+
+POLL_DURING_AND_S = 2e-4
+"""How often the engine thread looks at the units it launched while it waits in a cycle's
+bitwise AND that does not tell when it ends (:meth:`Completions.through`)."""
+TOLD_WAIT_S = 0.01
+"""The longest sleep of :meth:`Completions.through` while the AND and every unit in flight
+will tell when they end: between two, the engine thread checks whether to give up."""
 
 
 class CollectiveFailure(Exception):
@@ -178,6 +187,9 @@ class Completions:
         polling every millisecond, which on the emulated 1 Gbit/s cluster (a step's
         buckets in flight for 280 ms) was most of the engine thread's CPU time per step
         (see ``loop.PAUSE_WHILE_TOLD_S``)."""
+        self.bell = threading.Event()
+        """Set, with :attr:`woken`, when a unit tells that it has ended, and by the AND that
+        :meth:`through` waits for: what that wait sleeps on."""
 
     def __len__(self) -> int:
         return len(self._units)
@@ -188,12 +200,18 @@ class Completions:
     ) -> None:
         """Adds a launched unit, the outcomes its handles get once it has finished and, for
         a unit in two parts, what launches the second (see module docstring)."""
-        woken = self.woken
         told = (
-            comm is self.host and woken is not None
-            and all([started.notify(woken.set) for started in launched.started])
+            comm is self.host and self.woken is not None
+            and all([started.notify(self._told) for started in launched.started])
         )
         self._units.append(_Pending(comm, launched, unit, outcomes, then, told))
+
+    def _told(self) -> None:
+        """A unit's transport says it has ended (in the transport's thread)."""
+        self.bell.set()
+        woken = self.woken
+        if woken is not None:
+            woken.set()
 
     def all_tell(self) -> bool:
         """Whether units are in flight and each will wake the engine when it has ended."""
@@ -295,6 +313,37 @@ class Completions:
             else:
                 clock.wait(wake, min(delay, left))
             delay = _FIRST_POLL_S if self.poll() else min(delay * 2, _LONGEST_POLL_S)
+
+    def through(self, pending: Pending, check: Callable[[], None]) -> None:
+        """Waits for the control-plane operation ``pending`` (a cycle's bitwise AND: over a
+        slow link it waits behind the units' bytes, or for a peer's pause), completing
+        units as they finish meanwhile and calling ``check`` between waits (it raises to
+        give up). Where the AND and every unit in flight tell when they end (gloo's
+        futures), it sleeps until one of them does; else it tests between short waits
+        (:func:`~baguahvd.backends.base.waits`) and polls the units every
+        :data:`POLL_DURING_AND_S`."""
+        bell = self.bell
+        bell.clear()
+        if not pending.notify(bell.set) or not (not self._units or self.all_tell()):
+            next_poll = 0.0
+            for _ in waits(pending):
+                check()
+                if self._units:
+                    now = time.perf_counter()
+                    if now >= next_poll:
+                        self.poll()
+                        next_poll = now + POLL_DURING_AND_S
+            return
+        spin_end = time.perf_counter() + SPIN_S  # peers that are waiting too come at once
+        while not pending.test():
+            if time.perf_counter() < spin_end:
+                os.sched_yield()
+                continue
+            bell.wait(TOLD_WAIT_S if not self._units or self.all_tell() else POLL_DURING_AND_S)
+            bell.clear()  # then test and poll: nothing that ended meanwhile is missed
+            check()
+            if self._units:
+                self.poll()
 
     def abandon(self, error: BaseException) -> None:
         """Gives up the units still running (the engine thread stops): aborts their

@@ -10,9 +10,8 @@ Each cycle every rank runs the same exchange on the control plane:
 
 1. One bitwise AND over a byte vector: bit ``s`` of the first part says "my request for
    cache slot ``s`` is pending" (or "I am not a member of its set"); the second part says
-   "slot ``s`` is still valid for me"; the last byte holds two flags whose cleared bit means
-   yes: "I have something to send rank 0" and "I announce the end of the job", and one that
-   stays set while "I have nothing pending" (see :meth:`.negotiator.Negotiator.pause_s`). A
+   "slot ``s`` is still valid for me"; the last byte holds flags whose cleared bit means
+   yes, among them "I have something to send rank 0" and "I announce the end of the job". A
    slot that every rank marked pending runs from the cache without rank 0; one that some
    rank marked invalid is evicted everywhere and its requests are negotiated in full.
 2. Only when some rank has something to send: every rank's

@@ -14,7 +14,6 @@ FLAG_NOTHING_TO_SEND = 1
 FLAG_NO_SHUTDOWN = 2
 FLAG_NO_UNNAMED_IN_FULL = 4
 FLAG_UNNAMED_WAITS = 8
-FLAG_IDLE = 16
 
 _FEW_BITS = 16
 """Up to this many slots, bits are set and found one by one in Python integers; beyond,

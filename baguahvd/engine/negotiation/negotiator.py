@@ -18,7 +18,6 @@ from baguahvd.engine.messages import (
     Response,
 )
 from baguahvd.engine.negotiation.bits import (
-    FLAG_IDLE,
     FLAG_NO_SHUTDOWN,
     FLAG_NO_UNNAMED_IN_FULL,
     FLAG_NOTHING_TO_SEND,
@@ -103,7 +102,9 @@ class Negotiator:
         self.agreed_settings: Settings | None = None
         """Autotune settings received in this cycle's decision, not yet applied."""
         self.idle_cycles = 0
-        """Cycles in a row in which no rank had anything pending."""
+        """Cycles in a row in which this rank had nothing pending."""
+        self.announced_idle = False
+        """Whether this rank had no request and no notice pending at its announcement."""
 
     def in_flight(self) -> bool:
         """Whether some request waits for the other ranks (the next cycle starts at once)."""
@@ -114,16 +115,16 @@ class Negotiator:
         """How long the engine waits for a submission before its next cycle.
 
         Nothing while a request of this rank is in flight: the peers wait for its
-        announcement. Otherwise the cycle time, doubled after every cycle in which no rank
-        had anything pending, up to :data:`IDLE_PAUSE_MAX_S`. An idle cycle is a round trip
-        between all ranks whose wait costs a fraction of a millisecond of CPU: at one per
-        millisecond an idle engine took 14-24% of a core, which the training threads on the
-        same cores need (``benchmarks/idle_engine.py``). A submission wakes its engine at
-        once whatever the pause. Jobs with process sets besides the global one keep the
-        cycle time: a set's collective needs a cycle of the non-members too, which no
-        submission of theirs wakes (after a pause of the whole job, the first one waited
-        16.6 ms instead of 1.6 ms).
-        """
+        announcement. Otherwise the cycle time, doubled after every cycle in which this
+        rank had nothing pending, up to :data:`IDLE_PAUSE_MAX_S`, also while other ranks
+        wait for it: they wait for a request it has yet to submit, and its submission wakes
+        the engine at once whatever the pause. An idle cycle is a round trip between all
+        ranks whose wait costs a fraction of a millisecond of CPU: at one per millisecond
+        an idle engine took 14-24% of a core, which the training threads on the same cores
+        need (``benchmarks/idle_engine.py``). Jobs with process sets besides the global one
+        keep the cycle time: a set's collective needs a cycle of the non-members too, which
+        no submission of theirs wakes (after a pause of the whole job, the first one waited
+        16.6 ms instead of 1.6 ms)."""
         if self.in_flight():
             return 0.0
         base = cycle_time_ms / 1000.0
@@ -205,8 +206,7 @@ class Negotiator:
             valid = (self._all_slots & ~invalid).to_bytes(span, "little")
             self.stale_slots.clear()
         flags = 0xFF
-        if notice is not None or self.in_flight():
-            flags &= ~FLAG_IDLE
+        self.announced_idle = notice is None and not self.in_flight()
         if self.to_send or notice is not None or self.proposal is not None:
             flags &= ~FLAG_NOTHING_TO_SEND
         if notice is not None:
@@ -233,7 +233,7 @@ class Negotiator:
         span = self._span
         words = agreed.tobytes()
         flags = words[-1]
-        self.idle_cycles = self.idle_cycles + 1 if flags & FLAG_IDLE else 0
+        self.idle_cycles = self.idle_cycles + 1 if self.announced_idle else 0
         ready = int.from_bytes(words[:span], "little")
         if words[span : 2 * span] != self._all_valid:
             invalid = self._all_slots & ~int.from_bytes(words[span : 2 * span], "little")
