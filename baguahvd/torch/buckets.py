@@ -382,7 +382,7 @@ def _fill_before_accumulating(p: torch.Tensor, bucket: GradientBucket) -> tuple[
     """Registers ``bucket.fill`` as a pre-hook of ``p``'s gradient accumulator, which runs
     in ``backward()`` only (not in ``torch.autograd.grad``), just before autograd adds
     ``p``'s gradient to ``p.grad``; returns the accumulator and the hook's handle."""
-    with torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():
         node = p.view_as(p).grad_fn
     accumulator = None if node is None else node.next_functions[0][0]
     assert accumulator is not None  # p is a leaf that requires grad

@@ -11,6 +11,7 @@ from baguahvd.torch.buckets import (
     BREAK_MIN_BYTES,
     SMALL_BUCKET_BYTES,
     GradientBucket,
+    _fill_before_accumulating,
     adopt,
     bucket_name,
     bucket_threshold,
@@ -140,6 +141,24 @@ def test_fill_hands_out_zeroed_views_to_the_members_without_a_gradient() -> None
     assert bucket.buffer.tolist() == [0.0, 0.0, 3.0, 3.0, 3.0, 3.0]
     bucket.fill()  # nothing missing: nothing changes
     assert bucket.buffer.tolist() == [0.0, 0.0, 3.0, 3.0, 3.0, 3.0]
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_backward_fills_the_bucket_through_the_accumulators_pre_hook(mode: str) -> None:
+    p = torch.nn.Parameter(torch.ones(3))
+    bucket = GradientBucket(0, ["p"], [p])
+    bucket.attach()
+    # Buckets are built in synchronize(), which step() may run under either mode.
+    with torch.no_grad() if mode == "no_grad" else torch.inference_mode():
+        accumulator, handle = _fill_before_accumulating(p, bucket)  # held: keeps the hook
+    p.grad = None
+    bucket.buffer.fill_(5.0)
+    (p * 2).sum().backward()
+    assert p.grad is bucket.views[0] and p.grad.tolist() == [2.0, 2.0, 2.0]
+    handle.remove()
+    p.grad = None
+    (p * 2).sum().backward()
+    assert p.grad is not bucket.views[0]
 
 
 def test_buckets_are_held_to_the_bucket_size_below_the_fusion_threshold() -> None:
