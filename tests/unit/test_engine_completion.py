@@ -217,9 +217,9 @@ def test_an_error_seen_after_the_first_part_stops_the_rest() -> None:
     assert log == []
 
 
-class _HostAllreduce(Started):
-    """A host transport's started allreduce that ends when the test says so, and tells
-    the callbacks given to :meth:`notify` where ``tells``."""
+class _EndsWhenTold:
+    """A transport's operation that ends when the test says so, and tells the callbacks
+    given to :meth:`notify` where ``tells``."""
 
     def __init__(self, tells: bool) -> None:
         self.tells = tells
@@ -230,9 +230,6 @@ class _HostAllreduce(Started):
     def test(self) -> bool:
         self.tests += 1
         return self.ended
-
-    def wait(self) -> None:
-        self.ended = True
 
     def notify(self, callback: Callable[[], object]) -> bool:
         if not self.tells:
@@ -246,6 +243,23 @@ class _HostAllreduce(Started):
             callback()
 
 
+class _HostAllreduce(_EndsWhenTold, Started):
+    """A host transport's started allreduce."""
+
+    def wait(self) -> None:
+        self.ended = True
+
+
+def _host_unit(completions: Completions, tells: bool) -> tuple[_HostAllreduce, Request]:
+    """A host unit of one request, launched and added to ``completions``."""
+    started = _HostAllreduce(tells)
+    request = Request(_meta(0, name="bucket"), [torch.ones(1)], None)
+    response = build_response([request.meta], (0, 1), ())
+    completions.add(completions.host, HostLaunched((started,)), [(response, request)],
+                    [Outcome(request, [])])
+    return started, request
+
+
 @pytest.mark.parametrize("tells", [True, False])
 def test_a_host_unit_that_tells_when_it_ends_is_not_polled(tells: bool) -> None:
     # The engine waits for its next cycle in Completions.wait; a host unit whose transport
@@ -253,11 +267,7 @@ def test_a_host_unit_that_tells_when_it_ends_is_not_polled(tells: bool) -> None:
     completions, order = _completions()
     wake = threading.Event()
     completions.woken = wake
-    started = _HostAllreduce(tells)
-    request = Request(_meta(0, name="bucket"), [torch.ones(1)], None)
-    response = build_response([request.meta], (0, 1), ())
-    completions.add(completions.host, HostLaunched((started,)), [(response, request)],
-                    [Outcome(request, [])])
+    started, request = _host_unit(completions, tells)
     timer = threading.Timer(0.2, started.end)
     timer.start()
     begin = time.monotonic()
@@ -273,33 +283,11 @@ def test_a_host_unit_that_tells_when_it_ends_is_not_polled(tells: bool) -> None:
         assert started.tests > 20
 
 
-class _And(Pending):
-    """A cycle's bitwise AND that completes when the test says so, and tells the
-    callbacks given to :meth:`notify` where ``tells``."""
-
-    def __init__(self, tells: bool) -> None:
-        self.tells = tells
-        self.tests = 0
-        self.ended = False
-        self.callbacks: list[Callable[[], object]] = []
-
-    def test(self) -> bool:
-        self.tests += 1
-        return self.ended
+class _And(_EndsWhenTold, Pending):
+    """A cycle's bitwise AND."""
 
     def result(self) -> np.ndarray:
         return np.zeros(1, dtype=np.uint8)
-
-    def notify(self, callback: Callable[[], object]) -> bool:
-        if not self.tells:
-            return False
-        self.callbacks.append(callback)
-        return True
-
-    def end(self) -> None:
-        self.ended = True
-        for callback in self.callbacks:
-            callback()
 
 
 @pytest.mark.parametrize("tells", [True, False])
@@ -309,11 +297,7 @@ def test_a_unit_that_ends_during_the_and_completes_before_the_and_does(tells: bo
     # engine thread sleeps until one does instead of testing every 0.1 ms.
     completions, order = _completions()
     completions.woken = threading.Event()
-    started = _HostAllreduce(tells)
-    request = Request(_meta(0, name="bucket"), [torch.ones(1)], None)
-    response = build_response([request.meta], (0, 1), ())
-    completions.add(completions.host, HostLaunched((started,)), [(response, request)],
-                    [Outcome(request, [])])
+    started, request = _host_unit(completions, tells)
     pending = _And(tells)
     seen_at_and_end: list[bool] = []
 
