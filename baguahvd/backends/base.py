@@ -257,18 +257,24 @@ LONGEST_WAIT_S = 1e-4
 long."""
 
 
-def waits(pending: Pending) -> Iterator[None]:
+def waits(
+    pending: Pending,
+    wait: Callable[[float], object] | None = None,
+    first_s: float = FIRST_WAIT_S,
+    longest_s: float = LONGEST_WAIT_S,
+) -> Iterator[None]:
     """Waits for ``pending`` to complete, and yields between two of its tests once the wait
     is no longer short, so that the caller may check whether to give up (and stop iterating
     to do so). Raises the operation's error.
 
     The other ranks usually come within microseconds (they are waiting too), so it first
     polls for :data:`SPIN_S`, yielding the core between tests: a sleep would end late. Then
-    it tests between waits (:meth:`Pending.wait`: short sleeps) rather than in the
-    transport's busy wait or a Python spin: a sleeping thread leaves both the CPU (ranks are
-    often oversubscribed) and the GIL (the training thread needs it) to others. The waits
-    double from :data:`FIRST_WAIT_S` up to :data:`LONGEST_WAIT_S`; from then on it yields
-    after each.
+    it tests between waits (``wait``, by default :meth:`Pending.wait`: short sleeps) rather
+    than in the transport's busy wait or a Python spin: a sleeping thread leaves both the
+    CPU (ranks are often oversubscribed) and the GIL (the training thread needs it) to
+    others. The waits double from ``first_s`` up to ``longest_s``; from then on it yields
+    after each. A caller that is told when the operation ends waits on that instead, as
+    long as it likes.
     """
     test = pending.test
     spin_end = time.perf_counter() + SPIN_S
@@ -278,12 +284,13 @@ def waits(pending: Pending) -> Iterator[None]:
         os.sched_yield()
     else:
         return
-    wait = pending.wait
-    delay = FIRST_WAIT_S
+    if wait is None:
+        wait = pending.wait
+    delay = first_s
     while not test():
         wait(delay)
-        if delay < LONGEST_WAIT_S:
-            delay = min(delay * 2, LONGEST_WAIT_S)
+        if delay < longest_s:
+            delay = min(delay * 2, longest_s)
         else:
             yield
 

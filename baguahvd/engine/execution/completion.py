@@ -28,7 +28,6 @@ tells when they end (gloo's futures) wake it instead of being polled. The protoc
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -36,7 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from baguahvd.backends.base import SPIN_S, Pending, Started, waits
+from baguahvd.backends.base import Pending, Started, waits
 from baguahvd.common.exceptions import HorovodInternalError
 from baguahvd.engine.buffers import FusionBuffers, FusionPool
 from baguahvd.engine.clock import SYSTEM_CLOCK, Clock
@@ -322,28 +321,25 @@ class Completions:
         futures), it sleeps until one of them does; else it tests between short waits
         (:func:`~baguahvd.backends.base.waits`) and polls the units every
         :data:`POLL_DURING_AND_S`."""
-        bell = self.bell
-        bell.clear()
-        if not pending.notify(bell.set) or not (not self._units or self.all_tell()):
-            next_poll = 0.0
-            for _ in waits(pending):
-                check()
-                if self._units:
-                    now = time.perf_counter()
-                    if now >= next_poll:
-                        self.poll()
-                        next_poll = now + POLL_DURING_AND_S
-            return
-        spin_end = time.perf_counter() + SPIN_S  # peers that are waiting too come at once
-        while not pending.test():
-            if time.perf_counter() < spin_end:
-                os.sched_yield()
-                continue
-            bell.wait(TOLD_WAIT_S if not self._units or self.all_tell() else POLL_DURING_AND_S)
-            bell.clear()  # then test and poll: nothing that ended meanwhile is missed
+        self.bell.clear()
+        told = pending.notify(self.bell.set) and (not self._units or self.all_tell())
+        steps = (
+            waits(pending, self._ring, TOLD_WAIT_S, TOLD_WAIT_S) if told else waits(pending)
+        )
+        next_poll = 0.0
+        for _ in steps:
             check()
             if self._units:
-                self.poll()
+                now = time.perf_counter()
+                if told or now >= next_poll:
+                    self.poll()
+                    next_poll = now + POLL_DURING_AND_S
+
+    def _ring(self, timeout_s: float) -> None:
+        """Sleeps until :attr:`bell` rings or ``timeout_s`` has passed, and resets it: what
+        ended meanwhile is found by the test and the poll that follow."""
+        self.bell.wait(timeout_s)
+        self.bell.clear()
 
     def abandon(self, error: BaseException) -> None:
         """Gives up the units still running (the engine thread stops): aborts their
