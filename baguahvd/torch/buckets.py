@@ -250,11 +250,11 @@ class GradientBucket:
         missing = [index for index, p in enumerate(params) if p.grad is None]
         if not missing:
             return
-        if not any([p.grad is view for p, view in zip(params, views)]):
-            self.buffer.zero_()
-        else:
+        if any([p.grad is view for p, view in zip(params, views)]):
             for index in missing:
-                views[index].zero_()
+                adopt(params[index], views[index])
+            return
+        self.buffer.zero_()
         for index in missing:
             params[index].grad = views[index]
 

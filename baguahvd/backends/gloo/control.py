@@ -35,7 +35,12 @@ import torch
 import torch.distributed as dist
 
 from baguahvd.backends.base import ControlPlane, Pending, check_peer
-from baguahvd.backends.gloo.communicator import GlooCommunicator, reduce_options, wait
+from baguahvd.backends.gloo.communicator import (
+    GlooCommunicator,
+    PendingWork,
+    reduce_options,
+    wait,
+)
 from baguahvd.backends.gloo.setup import GlooWorld
 
 logger = logging.getLogger("baguahvd")
@@ -229,29 +234,14 @@ class _PendingAnd(Pending):
     """
 
     def __init__(self, work: Any, result: torch.Tensor, failed: threading.Event) -> None:
-        self._work = work
+        self._started = PendingWork(work, (result,), failed=failed)
         self._result = result
-        self._failed = failed
-        self._future: Any = None
+        self.test = self._started.test
 
     def notify(self, callback: Callable[[], object]) -> bool:
-        """Calls ``callback()`` when gloo's future for the AND completes (in gloo's thread,
-        or here if it has)."""
-        try:
-            self._future = self._work.get_future()
-        except RuntimeError:  # a work without a future: tested instead
-            return False
-        self._future.add_done_callback(lambda _: callback())
-        return True
-
-    def test(self) -> bool:
-        """Whether the AND has completed; its future's callbacks may run just before the
-        work says so, and either counts (as for the data plane's ``PendingWork``)."""
-        future = self._future
-        if not self._work.is_completed() and not (future is not None and future.done()):
-            return False
-        wait(self._work, self._failed)  # raises the collective's error, if any
-        return True
+        """Calls ``callback()`` when gloo's future for the AND completes (as
+        :meth:`PendingWork.notify`)."""
+        return self._started.notify(callback)
 
     def result(self) -> np.ndarray:
         return self._result.numpy()
