@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
+from torch.utils.weak import WeakIdKeyDictionary
+
 from baguahvd.backends import gloo, nccl
 from baguahvd.backends.base import Communicator, ControlPlane, DeviceCommFactory
 from baguahvd.common import capabilities, logging_setup
@@ -74,6 +76,10 @@ class Runtime:
         self._shutdown_callbacks: list[Callable[[], None]] = []
         self._stopped_engine: Engine | None = None
         self._previous_excepthook: Callable[..., Any] | None = None
+        self.wrapped: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """Per parameter, what the DistributedOptimizer that wraps it registered for it (its
+        hook), kept from one init() to the next. Here, not in an attribute of the
+        parameter: pickling a whole model (``torch.save(model)``) would meet it there."""
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -406,6 +406,55 @@ def test_backward_accumulates_into_views_that_zero_grad_dropped(
         assert_views_in_ready_order(model)
 
 
+def test_a_later_optimizer_over_the_same_model_takes_the_gradients_over(
+    monkeypatch: pytest.MonkeyPatch, rank: int, size: int
+) -> None:
+    """Wrapping the model's parameters again while the first optimizer stays alive (held by
+    a scheduler, say): the gradients become views of the new optimizer's buckets, with no
+    copy per gradient, and the results match the per-tensor path."""
+    from baguahvd.torch import buckets as buckets_module
+
+    use_buckets(monkeypatch, True)
+    copies = []
+    adopt = buckets_module.adopt
+
+    def counted(p: torch.Tensor, view: torch.Tensor) -> None:
+        if p.grad is not None and p.grad is not view:
+            copies.append(p)
+        adopt(p, view)
+
+    monkeypatch.setattr(buckets_module, "adopt", counted)
+    model, reference = Many(layers=6), Many(layers=6)
+    reference.load_state_dict(model.state_dict())
+    kept = [hvd.DistributedOptimizer(sgd(model.parameters()),
+                                     named_parameters=model.named_parameters())]
+    for phase in range(2):
+        if phase:
+            kept.append(hvd.DistributedOptimizer(sgd(model.parameters()),
+                                                 named_parameters=model.named_parameters()))
+        optimizer, plain = kept[-1], sgd(reference.parameters())
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            plain.zero_grad()
+            copies.clear()  # the first step's end moves its gradients into the new views
+            many_loss(model, rank, step).backward()
+            optimizer.step()
+            loss = many_loss(reference, rank, step)
+            loss.backward()
+            for p in reference.parameters():
+                p.grad = hvd.allreduce(p.grad, op=hvd.Average)
+            plain.step()
+        assert copies == []
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs)
+    if hooked():
+        built = kept[-1]._buckets  # type: ignore[attr-defined]
+        assert built is not None
+        views = {id(p): view for bucket in built.buckets
+                 for p, view in zip(bucket.params, bucket.views)}
+        assert all(p.grad is views[id(p)] for p in model.parameters())
+
+
 def assert_views_in_ready_order(model: Many) -> None:
     """The gradients are views of one buffer, the last layer's first."""
     grads = [[p.grad for p in layer.parameters()] for layer in model.layers]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import io
 import re
 import warnings
 import weakref
@@ -705,6 +706,20 @@ def test_replacing_the_optimizer(rank: int, size: int) -> None:
         gc.collect()
         assert alive() is None, "the parameters' hooks keep the old optimizer alive"
     assert_same_parameters(model, ref)
+
+
+def test_a_wrapped_model_pickles_and_copies_as_torch_does(rank: int, size: int) -> None:
+    """``torch.save(model)`` and ``copy.deepcopy(model)`` work after DistributedOptimizer
+    has wrapped the model's parameters (as with Horovod, which keeps its hooks out of the
+    parameters): the copy is a plain model with the same weights."""
+    model, _ = train_both(rank, size)
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    for copied in (loaded, copy.deepcopy(model)):
+        assert_same_parameters(copied, model)
+        assert all(vars(p) == {} for p in copied.parameters())
 
 
 @pytest.mark.parametrize("algorithm", [None, "gradient_allreduce"])
