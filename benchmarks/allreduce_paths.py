@@ -26,6 +26,11 @@ raw baselines of its own, and a last line per row gives Horovod's time / baguahv
 Every repetition runs every variant once, in the same order, each after a barrier; a
 variant's time is the slowest rank's seconds per call, and the table shows the median over
 repetitions. Ratios are raw time / baguahvd time: 1.0 is as fast as raw MPI, above 1 faster.
+Each ratio is the median over repetitions of the ratio within one repetition, the raw call
+and the row timed a fraction of a second apart: on a shared virtual machine raw MPI itself
+can run at two speeds for seconds at a time (a 4 MB allreduce between two ranks at
+0.3--0.5 ms, or at 1.8--2.2 ms, with no other work in the processes), and a ratio of two
+medians would mix the two. The raw rows show their spread over repetitions (min--max).
 The load average is printed before and after: other processes on the machine distort the
 figures, the ratios less than the times.
 """
@@ -69,8 +74,10 @@ def _human(nbytes: int) -> str:
     return f"{nbytes} TB"
 
 
-def _interleaved(variants: list[Variant], iters: int, repeats: int, comm: MPI.Comm) -> list[float]:
-    """Median over ``repeats`` of the slowest rank's seconds per call, per variant."""
+def _interleaved(
+    variants: list[Variant], iters: int, repeats: int, comm: MPI.Comm
+) -> list[list[float]]:
+    """Per variant, the slowest rank's seconds per call in each of ``repeats``."""
     for _, fn in variants:  # warm-up: response cache, fusion buffer, allocator
         fn()
         fn()
@@ -83,7 +90,7 @@ def _interleaved(variants: list[Variant], iters: int, repeats: int, comm: MPI.Co
                 fn()
             elapsed = (time.perf_counter() - start) / iters
             samples[index].append(comm.allreduce(elapsed, op=MPI.MAX))
-    return [statistics.median(s) for s in samples]
+    return samples
 
 
 def _iterations(nbytes: int) -> int:
@@ -94,17 +101,23 @@ def _load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def _table(title: str, names: list[str], times: list[float], raw: int) -> list[str]:
+def _table(title: str, names: list[str], samples: list[list[float]], raw: int) -> list[str]:
+    """The rows of one table: the first ``raw`` rows are the raw baselines."""
     lines = [title]
-    base_in, base_fresh, base_torch = times[0], times[1], times[2]
-    for index, (name, seconds) in enumerate(zip(names, times)):
-        line = f"  {name:<44} {seconds * 1e3:9.3f} ms"
-        if index >= raw:
-            line += f"   vs in-place {base_in / seconds:5.2f}"
-            line += f"   vs fresh {base_fresh / seconds:5.2f}"
-            line += f"   vs torch in-place {base_torch / seconds:5.2f}"
+    for index, (name, times) in enumerate(zip(names, samples)):
+        line = f"  {name:<44} {statistics.median(times) * 1e3:9.3f} ms"
+        if index < raw:
+            line += f"   ({min(times) * 1e3:.3f}-{max(times) * 1e3:.3f})"
+        else:
+            for label, base in zip(("in-place", "fresh", "torch in-place"), samples[:raw]):
+                line += f"   vs {label} {_paired(base, times):5.2f}"
         lines.append(line)
     return lines
+
+
+def _paired(base: list[float], times: list[float]) -> float:
+    """The median over repetitions of ``base``'s time / the row's time in each."""
+    return statistics.median(b / t for b, t in zip(base, times))
 
 
 def _check(tensor: torch.Tensor, expected: float, what: str) -> None:
@@ -181,8 +194,9 @@ def _raw_variants(count: int, rank: int, comm: MPI.Comm) -> list[Variant]:
 
 def _measure(
     api: Any, label: str, args: argparse.Namespace, comm: MPI.Comm
-) -> list[tuple[str, list[str], list[float]]]:
-    """Every table's (title, row names, times) for ``api``, its raw baselines included."""
+) -> list[tuple[str, list[str], list[list[float]]]]:
+    """Every table's (title, row names, times per repetition) for ``api``, its raw
+    baselines included."""
     rank, size = comm.Get_rank(), comm.Get_size()
     tables = []
     for nbytes in map(_size, args.sizes):
@@ -230,7 +244,8 @@ def main() -> None:
         lines += _table(f"  Horovod {version('horovod')}, with raw baselines of its own run",
                         their_names, their_times, raw=3)
         for name, mine, other in zip(names[3:], times[3:], their_times[3:]):
-            lines.append(f"  {name:<44} {other / mine:5.2f}x Horovod's speed")
+            speed = statistics.median(other) / statistics.median(mine)
+            lines.append(f"  {name:<44} {speed:5.2f}x Horovod's speed")
     lines.append(_load())
     if comm.Get_rank() == 0:
         print("\n".join(lines), flush=True)
