@@ -226,6 +226,31 @@ def test_same_as_per_tensor(monkeypatch: pytest.MonkeyPatch, rank: int, size: in
         assert any("conv.bias" in name for name in names)
 
 
+class Compiled(nn.Module):
+    """:class:`Many`'s layers run by ``torch.compile`` (the step stays outside the compiled
+    code: an int argument would compile the code again for every step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.compile(nn.Sequential(*Many(layers=6).layers))
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        return torch.tanh(self.body(x))
+
+
+def test_a_compiled_model_gets_the_same_results_and_bucket_views(
+    monkeypatch: pytest.MonkeyPatch, rank: int
+) -> None:
+    """The accumulators' hooks (each bucket's fill, each gradient's countdown) run the same
+    way when the forward pass is compiled."""
+    optimizer = compare(monkeypatch, rank, build=Compiled, loss=many_loss)
+    if hooked():
+        [name] = bucket_names(optimizer)
+        built = optimizer._buckets  # type: ignore[attr-defined]
+        [bucket] = built.buckets
+        assert all(p.grad is view for p, view in zip(bucket.params, bucket.views))
+
+
 @pytest.mark.parametrize("zero", ["optimizer_in_place", "model", "replace"])
 def test_gradients_cleared_or_replaced_behind_the_buckets(
     monkeypatch: pytest.MonkeyPatch, rank: int, zero: str
