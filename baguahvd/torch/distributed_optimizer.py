@@ -50,6 +50,11 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
     autograd accumulates into it. ``BAGUAHVD_GRADIENT_BUCKETS=0`` reduces every gradient on
     its own, as Horovod does (see :mod:`baguahvd.torch.buckets`).
 
+    A parameter is reduced by the latest DistributedOptimizer that wraps it: building a new
+    one over the same model (a new phase of training) silences the earlier one's hooks,
+    even while the earlier one is still referenced. Nothing is stored on the parameters
+    themselves, so ``torch.save(model)`` and ``copy.deepcopy(model)`` work as without it.
+
     Args:
         optimizer: the optimizer to wrap.
         named_parameters: ``model.named_parameters()``; names key the allreduces across ranks
