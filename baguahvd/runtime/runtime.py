@@ -77,9 +77,10 @@ class Runtime:
         self._stopped_engine: Engine | None = None
         self._previous_excepthook: Callable[..., Any] | None = None
         self.wrapped: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        """Per parameter, what the DistributedOptimizer that wraps it registered for it (its
-        hook), kept from one init() to the next. Here, not in an attribute of the
-        parameter: pickling a whole model (``torch.save(model)``) would meet it there."""
+        """Per parameter, what the DistributedOptimizer that wraps it registered for it
+        (:class:`baguahvd.torch.optimizer_protocol.Claim`), kept from one init() to the
+        next. Here, not in an attribute of the parameter: pickling a whole model
+        (``torch.save(model)``) would meet it there."""
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -60,9 +60,9 @@ class _DistributedAdasumOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
                 self._starting_models[p] = torch.zeros_like(p, requires_grad=False)
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._hook_handles.append(self._claim(p))
 
-    def _on_grad(self, p: torch.Tensor) -> None:
+    def _on_gradient(self, p: torch.Tensor) -> None:
         if self._count_pass(p):
             self._handles[p] = self._allreduce_delta_async(p)
 

@@ -13,8 +13,6 @@ the user's own, are reduced one by one (or by ``groups``) as in Horovod.
 
 from __future__ import annotations
 
-import dataclasses
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -100,16 +98,13 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
             for p in group["params"]:
                 if p.requires_grad:
                     self._requires_update.add(p)
-                    # A parameter is reduced by the latest DistributedOptimizer wrapping it:
-                    # an earlier one (say, of a previous training phase, still held by its
-                    # scheduler) would otherwise reduce it a second time under the same
-                    # name, and its buckets would hand out their views first.
-                    previous = runtime.wrapped.get(p)
-                    if previous is not None:
-                        previous.release()
-                    handle = p.register_post_accumulate_grad_hook(_make_hook(weakref.ref(self)))
-                    runtime.wrapped[p] = _Claim(handle, weakref.ref(self))
-                    self._hook_handles.append(handle)
+                    self._hook_handles.append(self._claim(p))
+
+    def _released(self) -> None:
+        # The buckets' fill hooks would point gradients at their views before the later
+        # optimizer's buckets could.
+        if self._buckets is not None:
+            self._buckets.close()
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         # The countdown reaches zero exactly when this gradient has been handed to an
@@ -300,38 +295,6 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         self._synchronized = False
         self._reset_count()
         self._wrapped_optimizer_class.load_state_dict(self, state_dict)  # type: ignore[misc]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Claim:
-    """What the DistributedOptimizer that wraps a parameter registered for it
-    (``runtime.wrapped``)."""
-
-    hook: Any
-    """The handle of the parameter's post-accumulate-grad hook."""
-    owner: weakref.ref[Any]
-    """The optimizer."""
-
-    def release(self) -> None:
-        """Silences the optimizer for this parameter (a later one wraps it): removes the
-        hook, and the fill hooks of the optimizer's buckets, which would otherwise point
-        gradients at their views before the later optimizer's buckets could."""
-        self.hook.remove()
-        optimizer = self.owner()
-        if optimizer is not None and optimizer._buckets is not None:
-            optimizer._buckets.close()
-
-
-def _make_hook(owner: weakref.ref[Any]) -> Any:
-    """The hook holds its optimizer weakly, so that a dropped optimizer is freed (and its
-    hooks fall silent) instead of being kept alive by the parameters."""
-
-    def hook(p: torch.Tensor) -> None:
-        optimizer = owner()
-        if optimizer is not None:
-            optimizer._on_gradient(p)
-
-    return hook
 
 
 def _resolve_groups(

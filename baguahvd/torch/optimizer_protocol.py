@@ -5,11 +5,15 @@ of the user's optimizer class that each factory builds."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+
+from baguahvd.runtime.runtime import runtime
 
 TOO_MANY_PASSES = (
     "Gradients were computed more than backward_passes_per_step times before call to step(). "
@@ -44,6 +48,38 @@ class SynchronizeProtocol:
 
     def synchronize(self) -> None:
         raise NotImplementedError
+
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        """What the hook of :meth:`_claim` does once autograd has accumulated ``p.grad``."""
+        raise NotImplementedError
+
+    def _claim(self, p: torch.Tensor) -> Any:
+        """Hooks :meth:`_on_gradient` to ``p``'s gradient and returns the hook's handle.
+
+        A parameter is reduced by the latest DistributedOptimizer that wraps it: an earlier
+        one (of a previous phase of training, still held by its scheduler, or just not
+        collected yet) would otherwise reduce it a second time under the same name. So the
+        earlier one's hook is removed and it is told (:meth:`_released`). The hook holds
+        the optimizer weakly, so that a dropped optimizer is freed instead of being kept
+        alive by the parameters.
+        """
+        previous = runtime.wrapped.get(p)
+        if previous is not None:
+            previous.release()
+        owner = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            optimizer = owner()
+            if optimizer is not None:
+                optimizer._on_gradient(p)
+
+        handle = p.register_post_accumulate_grad_hook(hook)
+        runtime.wrapped[p] = Claim(handle, owner)
+        return handle
+
+    def _released(self) -> None:
+        """A later DistributedOptimizer took one of this optimizer's parameters over (see
+        :meth:`_claim`); the hook there is already gone."""
 
     def _init_protocol(self, params: Iterable[torch.Tensor], passes: int) -> None:
         self.backward_passes_per_step = passes
@@ -144,3 +180,22 @@ def check_named_parameters(
             "Python object ids: " + ", ".join(str(i) for i in unnamed)
         )
     return named
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """What the DistributedOptimizer that wraps a parameter registered for it, kept in
+    ``runtime.wrapped`` rather than on the parameter, where pickling a whole model
+    (``torch.save(model)``) would meet it."""
+
+    hook: Any
+    """The handle of the parameter's post-accumulate-grad hook."""
+    owner: weakref.ref[Any]
+    """The optimizer."""
+
+    def release(self) -> None:
+        """Removes the hook and tells the optimizer, if it is still alive."""
+        self.hook.remove()
+        optimizer = self.owner()
+        if optimizer is not None:
+            optimizer._released()

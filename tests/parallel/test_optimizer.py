@@ -708,6 +708,42 @@ def test_replacing_the_optimizer(rank: int, size: int) -> None:
     assert_same_parameters(model, ref)
 
 
+@pytest.mark.parametrize("kind", ["adasum", "gradient_allreduce", "bytegrad", "async"])
+def test_a_later_optimizer_of_any_kind_takes_the_parameters_over(
+    rank: int, size: int, kind: str
+) -> None:
+    """Adasum and the Bagua algorithms, as the default path: a second DistributedOptimizer
+    over the same model, the first still alive, trains without the first reducing the
+    gradients again under the same names (DuplicateNameError before); the first one's
+    algorithm is stopped. With a synchronous algorithm every rank ends with the same
+    weights."""
+    model = mlp().float()  # bytegrad compresses float32 gradients
+
+    def wrap() -> torch.optim.Optimizer:
+        if kind == "adasum":
+            return hvd.DistributedOptimizer(sgd(model.parameters()), op=hvd.Adasum,
+                                            named_parameters=model.named_parameters())
+        return hvd.DistributedOptimizer(sgd(model.parameters()), algorithm=kind,
+                                        named_parameters=model.named_parameters())
+
+    kept = []
+    for phase in range(2):
+        kept.append(wrap())
+        for step in range(3):
+            kept[-1].zero_grad()
+            x, y = data(rank, 10 * phase + step)
+            nn.functional.mse_loss(model(x.float()), y.float()).backward()
+            kept[-1].step()
+    if kind != "adasum":
+        assert kept[0].algorithm_impl is None  # type: ignore[attr-defined]
+        kept[1].close()  # type: ignore[attr-defined]
+    if kind != "async":
+        weights = [p.detach().clone() for p in model.parameters()]
+        for theirs in hvd.allgather_object(weights, name="test.replaced.weights"):
+            for mine, their in zip(weights, theirs):
+                torch.testing.assert_close(mine, their, atol=0, rtol=0)
+
+
 def test_a_wrapped_model_pickles_and_copies_as_torch_does(rank: int, size: int) -> None:
     """``torch.save(model)`` and ``copy.deepcopy(model)`` work after DistributedOptimizer
     has wrapped the model's parameters (as with Horovod, which keeps its hooks out of the

@@ -69,7 +69,7 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
                     AlgorithmContext(self, trainable, process_set, bucket_bytes)
                 )
             for _, p in trainable:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._hook_handles.append(self._claim(p))
 
     @property
     def algorithm_impl(self) -> Any:
@@ -81,7 +81,12 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         """Tags the collectives submitted inside the block with the algorithm's activity."""
         return runtime.require_engine().activity(self.algorithm.activity)
 
-    def _on_grad(self, p: torch.Tensor) -> None:
+    def _released(self) -> None:
+        # Its algorithm would go on communicating (the async one from its own thread)
+        # under the names the later optimizer now uses.
+        self.close()
+
+    def _on_gradient(self, p: torch.Tensor) -> None:
         if self._count_pass(p) and self._impl is not None:
             with self._communicating():
                 self._impl.on_backward(p)
