@@ -52,8 +52,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
 
     A parameter is reduced by the latest DistributedOptimizer that wraps it: building a new
     one over the same model (a new phase of training) silences the earlier one's hooks,
-    even while the earlier one is still referenced. Nothing is stored on the parameters
-    themselves, so ``torch.save(model)`` and ``copy.deepcopy(model)`` work as without it.
+    even while the earlier one is still referenced, and stops an earlier algorithm's
+    background work. Nothing is stored on the parameters themselves, so
+    ``torch.save(model)`` and ``copy.deepcopy(model)`` work as without it.
 
     Args:
         optimizer: the optimizer to wrap.
