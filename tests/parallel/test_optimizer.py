@@ -717,6 +717,8 @@ def test_a_later_optimizer_of_any_kind_takes_the_parameters_over(
     gradients again under the same names (DuplicateNameError before); the first one's
     algorithm is stopped. With a synchronous algorithm every rank ends with the same
     weights."""
+    if kind == "adasum" and size & (size - 1):
+        pytest.skip("Adasum runs on a power-of-two number of ranks")
     model = mlp().float()  # bytegrad compresses float32 gradients
 
     def wrap() -> torch.optim.Optimizer:
