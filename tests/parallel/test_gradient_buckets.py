@@ -393,17 +393,12 @@ def test_no_bytes_through_fusion_buffers(monkeypatch: pytest.MonkeyPatch, rank: 
         assert_views_in_ready_order(model)
 
 
-@pytest.mark.parametrize("zero", ["optimizer", "model"])
-def test_backward_accumulates_into_views_that_zero_grad_dropped(
-    monkeypatch: pytest.MonkeyPatch, rank: int, size: int, zero: str
-) -> None:
-    """zero_grad() sets gradients to None, as torch's does; the next backward points them
-    at their views again (each bucket zeroed just before autograd's first accumulation into
-    it) without copying any gradient into a view."""
+def count_copies_into_views(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """The list that the buckets from now on append a parameter to whenever they copy its
+    gradient into its view (a gradient that autograd did not accumulate there)."""
     from baguahvd.torch import buckets as buckets_module
 
-    use_buckets(monkeypatch, True)
-    copies = []
+    copies: list[torch.Tensor] = []
     adopt = buckets_module.adopt
 
     def counted(p: torch.Tensor, view: torch.Tensor) -> None:
@@ -412,6 +407,18 @@ def test_backward_accumulates_into_views_that_zero_grad_dropped(
         adopt(p, view)
 
     monkeypatch.setattr(buckets_module, "adopt", counted)
+    return copies
+
+
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+def test_backward_accumulates_into_views_that_zero_grad_dropped(
+    monkeypatch: pytest.MonkeyPatch, rank: int, size: int, zero: str
+) -> None:
+    """zero_grad() sets gradients to None, as torch's does; the next backward points them
+    at their views again (each bucket zeroed just before autograd's first accumulation into
+    it) without copying any gradient into a view."""
+    use_buckets(monkeypatch, True)
+    copies = count_copies_into_views(monkeypatch)
     model = Many(layers=6)
     optimizer = hvd.DistributedOptimizer(sgd(model.parameters()),
                                          named_parameters=model.named_parameters())
@@ -437,18 +444,8 @@ def test_a_later_optimizer_over_the_same_model_takes_the_gradients_over(
     """Wrapping the model's parameters again while the first optimizer stays alive (held by
     a scheduler, say): the gradients become views of the new optimizer's buckets, with no
     copy per gradient, and the results match the per-tensor path."""
-    from baguahvd.torch import buckets as buckets_module
-
     use_buckets(monkeypatch, True)
-    copies = []
-    adopt = buckets_module.adopt
-
-    def counted(p: torch.Tensor, view: torch.Tensor) -> None:
-        if p.grad is not None and p.grad is not view:
-            copies.append(p)
-        adopt(p, view)
-
-    monkeypatch.setattr(buckets_module, "adopt", counted)
+    copies = count_copies_into_views(monkeypatch)
     model, reference = Many(layers=6), Many(layers=6)
     reference.load_state_dict(model.state_dict())
     kept = [hvd.DistributedOptimizer(sgd(model.parameters()),
