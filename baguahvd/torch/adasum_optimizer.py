@@ -28,6 +28,7 @@ from baguahvd.torch.optimizer_protocol import (
     SynchronizeProtocol,
     check_named_parameters,
     optimizer_subclass,
+    with_defaults_of,
 )
 
 
@@ -99,6 +100,7 @@ class _DistributedAdasumOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         yield  # pragma: no cover
 
     def step(self, closure: Any = None) -> Any:
+        self._refuse_untracked(self._starting_models, "op=Adasum")
         loss = closure() if closure is not None else None
         for p in self._requires_update:
             if p not in self._handles:
@@ -135,10 +137,11 @@ def make_adasum_optimizer(
     if size & (size - 1):
         raise NotImplementedError("Running Adasum with non-power of 2 ranks is not supported yet.")
     cls = optimizer_subclass(optimizer, _DistributedAdasumOptimizer)
-    return cls(  # type: ignore[no-any-return]
+    wrapped = cls(
         optimizer.param_groups,
         check_named_parameters(named_parameters, optimizer.param_groups),
         compression,
         backward_passes_per_step,
         process_set,
     )
+    return with_defaults_of(wrapped, optimizer)

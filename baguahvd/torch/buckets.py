@@ -237,17 +237,21 @@ class GradientBucket:
         """The handle, the tensor sent and the compressor's context of this step's request."""
 
     def attach(self) -> None:
-        """Moves the current gradients into the views and points ``.grad`` at them."""
+        """Moves the current gradients into the views and points ``.grad`` at them (not
+        for a member frozen since the layout was agreed: its gradient stays None)."""
         for p, view in zip(self.params, self.views):
-            adopt(p, view)
+            if p.requires_grad or p.grad is not None:
+                adopt(p, view)
 
     def fill(self) -> None:
-        """Points every member without a gradient at its view, zeroed: the whole buffer in
-        one pass when no member holds its view (after ``zero_grad()``), else only the
-        views it hands out. Runs before autograd accumulates the bucket's first gradient
-        of a step."""
+        """Points every member that trains and has no gradient at its view, zeroed: the
+        whole buffer in one pass when no member holds its view (after ``zero_grad()``),
+        else only the views it hands out. Runs before autograd accumulates the bucket's
+        first gradient of a step."""
         params, views = self.params, self.views
-        missing = [index for index, p in enumerate(params) if p.grad is None]
+        missing = [
+            index for index, p in enumerate(params) if p.grad is None and p.requires_grad
+        ]
         if not missing:
             return
         if any([p.grad is view for p, view in zip(params, views)]):
@@ -364,7 +368,10 @@ class GradientBuckets:
                     if grad is not view:
                         # Replaced after backward (fuse_optimizer makes gradients views of
                         # its own buffers): the result goes where the gradient now is.
-                        if grad is None or grad.is_sparse:
+                        if grad is None:
+                            if p.requires_grad:  # else frozen since: no gradient to step
+                                p.grad = view
+                        elif grad.is_sparse:
                             p.grad = view
                         else:
                             grad.copy_(view)

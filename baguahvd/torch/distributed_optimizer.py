@@ -56,6 +56,11 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
     background work. Nothing is stored on the parameters themselves, so
     ``torch.save(model)`` and ``copy.deepcopy(model)`` work as without it.
 
+    Parameters unfrozen or added by ``add_param_group`` after it was built are reduced
+    from the next ``synchronize()`` on (a group added without ``lr``... takes the wrapped
+    optimizer's defaults); frozen ones keep no gradient. With ``op=Adasum`` or an
+    ``algorithm``, such a parameter raises ``ValueError`` at the next step.
+
     Args:
         optimizer: the optimizer to wrap.
         named_parameters: ``model.named_parameters()``; names key the allreduces across ranks

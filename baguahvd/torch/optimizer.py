@@ -41,6 +41,7 @@ from baguahvd.torch.optimizer_protocol import (
     SynchronizeProtocol,
     check_named_parameters,
     optimizer_subclass,
+    with_defaults_of,
 )
 
 
@@ -70,7 +71,9 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         self.process_set = process_set
         self._handles: dict[Any, tuple[Any, Any]] = {}
         self._hook_handles: list[Any] = []
-        self._requires_update: set[torch.Tensor] = set()
+        self._hooked: set[torch.Tensor] | None = None
+        """The parameters with this optimizer's hook; None where it reduces nothing (a
+        single rank, or a process set without this one)."""
         trainable = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         self._groups = _resolve_groups(groups, trainable, self._parameter_names, process_set)
         self._group_of: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {
@@ -94,11 +97,36 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
     # -- hooks -----------------------------------------------------------------------------
 
     def _register_hooks(self) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    self._requires_update.add(p)
-                    self._hook_handles.append(self._claim(p))
+        self._hooked = set()
+        self._hook_new()
+
+    def _hook_new(self) -> set[torch.Tensor]:
+        """Hooks the parameters that train (``requires_grad``) and have no hook yet: every
+        one at construction; later, at each ``synchronize()``, those unfrozen or added by
+        ``add_param_group`` since (their gradient of that step is reduced with the ones
+        whose hook did not fire). Returns the parameters that train."""
+        hooked = self._hooked
+        assert hooked is not None
+        trainable = {
+            p for group in self.param_groups for p in group["params"] if p.requires_grad
+        }
+        for p in trainable - hooked:
+            hooked.add(p)
+            self._hook_handles.append(self._claim(p))
+        return trainable
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Torch's ``add_param_group``; the new parameters are reduced from the next
+        ``synchronize()`` on, each named by its position (``allreduce.noname.<group>.<i>``,
+        the same on every rank that adds the same groups)."""
+        self._wrapped_optimizer_class.add_param_group(self, param_group)  # type: ignore[misc]
+        names = getattr(self, "_parameter_names", None)
+        if names is None:  # torch's __init__ adding the first groups
+            return
+        index = len(self.param_groups) - 1
+        for position, p in enumerate(self.param_groups[index]["params"]):
+            names.setdefault(p, f"allreduce.noname.{index}.{position}")
+            self._allreduce_delay.setdefault(p, self.backward_passes_per_step)
 
     def _released(self) -> None:
         # The buckets' fill hooks would point gradients at their views before the later
@@ -202,6 +230,8 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         if not self.process_set.included():
             self._synchronized = True
             return
+        # What trains now, which a frozen parameter leaves and an unfrozen one joins.
+        trainable = set() if self._hooked is None else self._hook_new()
         launched: set[torch.Tensor] = set()
         for key in self._handles:
             launched.update(key if isinstance(key, tuple) else (key,))
@@ -209,7 +239,7 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         if buckets is not None:
             launched.update(buckets.slots)
             buckets.force()
-        for p in sorted(self._requires_update - launched, key=self._order):
+        for p in sorted(trainable - launched, key=self._order):
             if self._recording is not None:
                 self._recording.due(p)
             group = self._group_of.get(p)
@@ -239,10 +269,10 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
             buckets.wait()
             self._reset_count(buckets.slots)
         elif self._recording is not None:
-            self._build_buckets(self._recording)
+            self._build_buckets(self._recording, trainable)
         self._synchronized = True
 
-    def _build_buckets(self, recording: Recording) -> None:
+    def _build_buckets(self, recording: Recording, trainable: set[torch.Tensor]) -> None:
         """Agrees on the layout with the other members (collective) and moves the
         gradients into their buckets."""
         self._recording = None
@@ -252,9 +282,9 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
             runtime.config.bucket_bytes if runtime.config is not None else 0,
         )
         order, threshold, breaks = agree_layout(
-            recording, names, self._requires_update, threshold, self.process_set
+            recording, names, trainable, threshold, self.process_set
         )
-        params = {names[p]: p for p in self._requires_update}
+        params = {names[p]: p for p in trainable}
         layout = layout_with_groups(order, params, self._groups, names, threshold, breaks)
         if layout:
             self._buckets = GradientBuckets(
@@ -370,7 +400,7 @@ def make_allreduce_optimizer(
     :func:`baguahvd.torch.distributed_optimizer.DistributedOptimizer` for the arguments): a
     subclass of ``type(optimizer)`` with the same name."""
     cls = optimizer_subclass(optimizer, _DistributedOptimizer)
-    return cls(  # type: ignore[no-any-return]
+    wrapped = cls(
         optimizer.param_groups,
         named_parameters,
         compression,
@@ -381,3 +411,4 @@ def make_allreduce_optimizer(
         sparse_as_dense,
         process_set,
     )
+    return with_defaults_of(wrapped, optimizer)

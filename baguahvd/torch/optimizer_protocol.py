@@ -8,7 +8,7 @@ import contextlib
 import dataclasses
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +28,13 @@ STEP_AFTER_SYNC = (
     "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
     "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in your "
     "code."
+)
+
+UNTRACKED = (
+    "{names}: trains now (requires_grad) but did not when DistributedOptimizer({kind}) was "
+    "built, or was added by add_param_group since; {kind} cannot reduce its gradient, and "
+    "the ranks would train apart. Build the DistributedOptimizer again after changing which "
+    "parameters train (the new one takes the parameters over)."
 )
 
 
@@ -80,6 +87,21 @@ class SynchronizeProtocol:
     def _released(self) -> None:
         """A later DistributedOptimizer took one of this optimizer's parameters over (see
         :meth:`_claim`); the hook there is already gone."""
+
+    def _refuse_untracked(self, tracked: Collection[torch.Tensor], kind: str) -> None:
+        """Raises ``ValueError`` naming the parameters that train now (``requires_grad``)
+        but are not in ``tracked``, what the optimizer reduces since it was built: frozen
+        then, or added by ``add_param_group`` since. Their gradients would stay local to
+        each rank, and the ranks' weights would part silently."""
+        names: dict[torch.Tensor, str] = self._parameter_names  # type: ignore[attr-defined]
+        untracked = [
+            names.get(p, "a parameter added by add_param_group")
+            for group in self.param_groups  # type: ignore[attr-defined]
+            for p in group["params"]
+            if p.requires_grad and p not in tracked
+        ]
+        if untracked:
+            raise ValueError(UNTRACKED.format(names=", ".join(untracked), kind=kind))
 
     def _init_protocol(self, params: Iterable[torch.Tensor], passes: int) -> None:
         self.backward_passes_per_step = passes
@@ -146,6 +168,16 @@ def optimizer_subclass(optimizer: torch.optim.Optimizer, methods: type) -> type:
             if key not in ("__dict__", "__weakref__")
         )
     return type(optimizer.__class__.__name__, (optimizer.__class__,), namespace)
+
+
+def with_defaults_of(
+    wrapped: torch.optim.Optimizer, optimizer: torch.optim.Optimizer
+) -> torch.optim.Optimizer:
+    """``wrapped`` (built from ``optimizer.param_groups``), whose ``add_param_group`` now
+    fills what a new group leaves out from ``optimizer``'s defaults, the ``lr``, momentum...
+    its user gave it, rather than from its class's."""
+    wrapped.defaults = dict(optimizer.defaults)
+    return wrapped
 
 
 def check_named_parameters(

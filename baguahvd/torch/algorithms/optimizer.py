@@ -25,6 +25,7 @@ from baguahvd.torch.optimizer_protocol import (
     SynchronizeProtocol,
     check_named_parameters,
     optimizer_subclass,
+    with_defaults_of,
 )
 
 
@@ -94,6 +95,7 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Finishes this step's communication (results land in ``.grad`` or the weights)."""
         if self._impl is not None:
+            self._refuse_untracked(self._allreduce_delay, f"algorithm={self.algorithm.name!r}")
             with self._communicating():
                 self._impl.synchronize()
         self._reset_count()
@@ -137,7 +139,7 @@ def make_algorithm_optimizer(
     named = check_named_parameters(named_parameters, optimizer.param_groups)
     cls = optimizer_subclass(optimizer, _AlgorithmOptimizer)
     bucket_bytes = runtime.config.bucket_bytes if runtime.config is not None else None
-    return cls(  # type: ignore[no-any-return]
+    wrapped = cls(
         optimizer.param_groups,
         named,
         resolved,
@@ -145,3 +147,4 @@ def make_algorithm_optimizer(
         process_set if process_set is not None else global_process_set,
         *([bucket_bytes] if bucket_bytes else []),
     )
+    return with_defaults_of(wrapped, optimizer)
