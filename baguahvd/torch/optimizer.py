@@ -200,6 +200,9 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
     def _grouped_allreduce_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
         tensors = []
         contexts = []
+        # Members frozen since the groups were formed, without a gradient: the group still
+        # sends one for them (zeros), but the optimizer must not see it.
+        frozen = {p for p in group if p.grad is None and not p.requires_grad}
         for p in group:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -216,7 +219,7 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
             postscale_factor=post,
             process_set=self.process_set,
         )
-        return handle, (contexts, tensors)
+        return handle, (contexts, tensors, frozen)
 
     # -- synchronization ---------------------------------------------------------------------
 
@@ -252,9 +255,12 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         for key, (handle, ctx) in self._handles.items():
             if isinstance(key, tuple):
                 outputs = synchronize(handle)
-                contexts, _ = ctx
+                contexts, _, frozen = ctx
                 for p, output, c in zip(key, outputs, contexts):
-                    self._write_grad(p, self._compression.decompress(output, c))
+                    if p in frozen:  # sent as zeros: its gradient stays None
+                        p.grad = None
+                    else:
+                        self._write_grad(p, self._compression.decompress(output, c))
                 self._reset_count(key)
                 continue
             if ctx == "sparse":

@@ -746,17 +746,21 @@ def test_a_later_optimizer_of_any_kind_takes_the_parameters_over(
                 torch.testing.assert_close(mine, their, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("buckets", [True, False])
+@pytest.mark.parametrize("buckets", [True, False, "groups"])
 @pytest.mark.parametrize("change", ["unfreeze", "add_param_group", "freeze"])
 def test_changing_which_parameters_train(
-    monkeypatch: pytest.MonkeyPatch, rank: int, size: int, change: str, buckets: bool
+    monkeypatch: pytest.MonkeyPatch, rank: int, size: int, change: str, buckets: Any
 ) -> None:
     """A parameter unfrozen (``requires_grad_()``) or added by ``add_param_group`` after
     DistributedOptimizer was built is reduced from that step on, and one frozen since keeps
-    no gradient, so weight decay and momentum leave it alone: as the single-process oracle
-    does. (Horovod 0.28.1 leaves the first two unreduced: the ranks train apart.)"""
-    with_buckets(monkeypatch, buckets)
+    no gradient, so weight decay and momentum leave it alone (also inside a bucket or a
+    user's group): as the single-process oracle does. (Horovod 0.28.1 leaves the first two
+    unreduced: the ranks train apart.)"""
+    with_buckets(monkeypatch, buckets is True)
     model, ref = mlp(), mlp()
+    grouping: dict[str, Any] = {}
+    if buckets == "groups":  # the first layer's weight and bias as one unit
+        grouping["groups"] = [list(model[0].parameters())] if change == "freeze" else 1
 
     def make(params: Any) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)
@@ -766,7 +770,8 @@ def test_changing_which_parameters_train(
     first = (lambda m: m.parameters()) if change != "add_param_group" else (
         lambda m: m[2].parameters())
     optimizer = hvd.DistributedOptimizer(make(first(model)),
-                                         named_parameters=list(model.named_parameters()))
+                                         named_parameters=list(model.named_parameters()),
+                                         **grouping)
     ref_optimizer = make(first(ref))
     for step in range(6):
         if step == 3:
