@@ -50,6 +50,8 @@ class SynchronizeProtocol:
     _wrapped_optimizer_class: type[torch.optim.Optimizer]
     """The user's optimizer class (see :func:`optimizer_subclass`)."""
     _allreduce_delay: dict[torch.Tensor, int]
+    _parameter_names: dict[torch.Tensor, str]
+    param_groups: list[dict[str, Any]]
     _synchronized: bool
     _should_synchronize: bool
 
@@ -93,10 +95,9 @@ class SynchronizeProtocol:
         but are not in ``tracked``, what the optimizer reduces since it was built: frozen
         then, or added by ``add_param_group`` since. Their gradients would stay local to
         each rank, and the ranks' weights would part silently."""
-        names: dict[torch.Tensor, str] = self._parameter_names  # type: ignore[attr-defined]
         untracked = [
-            names.get(p, "a parameter added by add_param_group")
-            for group in self.param_groups  # type: ignore[attr-defined]
+            self._parameter_names.get(p, "a parameter added by add_param_group")
+            for group in self.param_groups
             for p in group["params"]
             if p.requires_grad and p not in tracked
         ]

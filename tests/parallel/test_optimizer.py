@@ -72,6 +72,27 @@ def reference_backward(model: nn.Module, loss: Loss, size: int, step: int) -> No
         (loss(model, r, step) / size).backward()
 
 
+def step_both(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    ref: nn.Module,
+    ref_optimizer: torch.optim.Optimizer,
+    loss: Loss,
+    rank: int,
+    size: int,
+    step: int,
+    oracle: Loss | None = None,
+) -> None:
+    """One step of ``model`` on this rank's batch and of its single-process oracle on every
+    rank's (``oracle``: the oracle's loss, where it is not ``loss``)."""
+    optimizer.zero_grad()
+    loss(model, rank, step).backward()
+    optimizer.step()
+    ref_optimizer.zero_grad()
+    reference_backward(ref, loss if oracle is None else oracle, size, step)
+    ref_optimizer.step()
+
+
 def train_both(
     rank: int,
     size: int,
@@ -88,12 +109,7 @@ def train_both(
     )
     ref_optimizer = make_optimizer(ref.parameters())
     for step in range(steps):
-        optimizer.zero_grad()
-        loss(model, rank, step).backward()
-        optimizer.step()
-        ref_optimizer.zero_grad()
-        reference_backward(ref, loss, size, step)
-        ref_optimizer.step()
+        step_both(model, optimizer, ref, ref_optimizer, loss, rank, size, step)
     return model, ref
 
 
@@ -253,12 +269,7 @@ def test_groups_equal_ungrouped(rank: int, size: int, groups: Any) -> None:
     )
     ref_optimizer = sgd(ref.parameters())
     for step in range(3):
-        optimizer.zero_grad()
-        mse(model, rank, step).backward()
-        optimizer.step()
-        ref_optimizer.zero_grad()
-        reference_backward(ref, mse, size, step)
-        ref_optimizer.step()
+        step_both(model, optimizer, ref, ref_optimizer, mse, rank, size, step)
     assert_same_parameters(model, ref)
 
 
@@ -275,12 +286,7 @@ def test_groups_follow_rank_zero_order(rank: int, size: int) -> None:
     assert order == hvd.broadcast_object(order, 0, name="test_opt.group_order")
     ref_optimizer = sgd(ref.parameters())
     for step in range(2):
-        optimizer.zero_grad()
-        mse(model, rank, step).backward()
-        optimizer.step()
-        ref_optimizer.zero_grad()
-        reference_backward(ref, mse, size, step)
-        ref_optimizer.step()
+        step_both(model, optimizer, ref, ref_optimizer, mse, rank, size, step)
     assert_same_parameters(model, ref)
 
 
@@ -495,12 +501,7 @@ def test_parameters_unused_on_some_ranks(rank: int, size: int, groups: Any) -> N
     )
     ref_optimizer = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(3):
-        optimizer.zero_grad()
-        branch_loss(model, rank, step).backward()
-        optimizer.step()
-        ref_optimizer.zero_grad()
-        reference_backward(ref, branch_loss, size, step)
-        ref_optimizer.step()
+        step_both(model, optimizer, ref, ref_optimizer, branch_loss, rank, size, step)
     assert_same_parameters(model, ref)
 
 
@@ -512,12 +513,7 @@ def test_frozen_parameter_is_skipped(rank: int, size: int) -> None:
                                          named_parameters=model.named_parameters())
     ref_optimizer = sgd(ref.parameters())
     for step in range(2):
-        optimizer.zero_grad()
-        mse(model, rank, step).backward()
-        optimizer.step()
-        ref_optimizer.zero_grad()
-        reference_backward(ref, mse, size, step)
-        ref_optimizer.step()
+        step_both(model, optimizer, ref, ref_optimizer, mse, rank, size, step)
     assert model[0].bias.grad is None
     assert_same_parameters(model, ref)
 
@@ -549,12 +545,7 @@ def test_op_sum(rank: int, size: int) -> None:
                                          named_parameters=model.named_parameters(), op=hvd.Sum)
     ref_optimizer = sgd(ref.parameters())
     for step in range(3):
-        optimizer.zero_grad()
-        mse(model, rank, step).backward()
-        optimizer.step()
-        ref_optimizer.zero_grad()
-        reference_backward(ref, summed, size, step)
-        ref_optimizer.step()
+        step_both(model, optimizer, ref, ref_optimizer, mse, rank, size, step, oracle=summed)
     assert_same_parameters(model, ref)
 
 
@@ -695,12 +686,7 @@ def test_replacing_the_optimizer(rank: int, size: int) -> None:
                                              named_parameters=model.named_parameters())
         ref_optimizer = sgd(ref.parameters())
         for step in range(2):
-            optimizer.zero_grad()
-            mse(model, rank, 10 * phase + step).backward()
-            optimizer.step()
-            ref_optimizer.zero_grad()
-            reference_backward(ref, mse, size, 10 * phase + step)
-            ref_optimizer.step()
+            step_both(model, optimizer, ref, ref_optimizer, mse, rank, size, 10 * phase + step)
         alive = weakref.ref(optimizer)
         del optimizer
         gc.collect()
@@ -780,12 +766,7 @@ def test_changing_which_parameters_train(
                     opt.add_param_group({"params": list(m[0].parameters())})
                 else:
                     m[0].weight.requires_grad_(change == "unfreeze")
-        optimizer.zero_grad()
-        mse(model, rank, step).backward()
-        optimizer.step()
-        ref_optimizer.zero_grad()
-        reference_backward(ref, mse, size, step)
-        ref_optimizer.step()
+        step_both(model, optimizer, ref, ref_optimizer, mse, rank, size, step)
     assert_same_parameters(model, ref)
     if change == "freeze":
         assert model[0].weight.grad is None
