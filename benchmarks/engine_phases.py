@@ -2,6 +2,7 @@
 
     mpirun -np 2 python benchmarks/engine_phases.py              # 300 named x 4 KB
     mpirun -np 2 python benchmarks/engine_phases.py --unnamed --count 300 --bursts 200
+    mpirun -np 2 python benchmarks/engine_phases.py --grouped --count 256 --bytes 16384
 
 Each burst submits ``--count`` in-place ``allreduce_async_`` of ``--bytes`` (float32), then
 synchronizes every handle in order, after a small blocking allreduce that lines the ranks up.
@@ -9,7 +10,8 @@ Timers wrapped around the engine's steps (for this run only: the package's class
 patched in the ranks' processes) add up each step's seconds per burst; every rank prints
 the median over bursts of each step, and of three spans seen by the caller: the
 submissions, the wait for the first handle (the engine's work after the last submission)
-and the wait for the others.
+and the wait for the others. With ``--grouped`` a burst is one out-of-place
+``grouped_allreduce`` of the ``--count`` tensors, and the caller sees one span: the call.
 
 The steps, in the order a cycle runs them: ``let_burst_finish`` (waiting for the
 submissions to stop), ``take`` (the queue), ``admit_all``, ``announcement``,
@@ -107,6 +109,8 @@ def main() -> None:
     parser.add_argument("--bursts", type=int, default=100, help="timed bursts")
     parser.add_argument("--warmup", type=int, default=10, help="untimed bursts")
     parser.add_argument("--unnamed", action="store_true", help="submit without names")
+    parser.add_argument("--grouped", action="store_true",
+                        help="one grouped_allreduce of the tensors per burst")
     parser.add_argument("--torch-copies", action="store_true",
                         help="copy out of the fusion buffer with torch even where the host "
                         "copy extension is built")
@@ -123,6 +127,12 @@ def main() -> None:
         hvd.allreduce(torch.zeros(1), name="engine_phases.line_up")
         _spent.clear()
         start = time.perf_counter()
+        if args.grouped:
+            hvd.grouped_allreduce(tensors, op=hvd.Sum, name=names[0])
+            if burst >= args.warmup:
+                spans.append((time.perf_counter() - start, 0.0, 0.0))
+                steps.append(dict(_spent))
+            continue
         handles = [hvd.allreduce_async_(t, name=n) for t, n in zip(tensors, names)]
         submitted = time.perf_counter()
         hvd.synchronize(handles[0])
@@ -132,11 +142,13 @@ def main() -> None:
         if burst >= args.warmup:
             spans.append((submitted - start, first - submitted, time.perf_counter() - first))
             steps.append(dict(_spent))
-    kind = "unnamed" if args.unnamed else "named"
+    kind = ("unnamed" if args.unnamed else "named") + (" grouped" if args.grouped else "")
     copies = "extension" if host_copy.native() else "torch"
     lines = [f"rank {hvd.rank()}: {args.count} {kind} x {args.bytes} B, copies by {copies}, "
              f"median of {args.bursts} bursts, ms"]
-    for index, span in enumerate(["submissions", "first handle", "other handles"]):
+    for index, span in enumerate(
+        ["call"] if args.grouped else ["submissions", "first handle", "other handles"]
+    ):
         lines.append(f"  {span:<18} {1e3 * statistics.median(s[index] for s in spans):7.3f}")
     for label in labels:
         median = statistics.median(step.get(label, 0.0) for step in steps)
