@@ -61,6 +61,11 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name for a factory
     optimizer's defaults); frozen ones keep no gradient. With ``op=Adasum`` or an
     ``algorithm``, such a parameter raises ``ValueError`` at the next step.
 
+    ``step(closure)`` reduces the gradients of the closure's backward pass as each call of
+    the closure returns, before the wrapped optimizer reads them (LBFGS calls it several
+    times); an optimizer that decides on the returned loss needs the same loss on every
+    rank (return ``hvd.allreduce(loss.detach())``).
+
     Args:
         optimizer: the optimizer to wrap.
         named_parameters: ``model.named_parameters()``; names key the allreduces across ranks

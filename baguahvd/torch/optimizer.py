@@ -309,15 +309,18 @@ class _DistributedOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         elif value.data_ptr() != p.grad.data_ptr():
             p.grad.copy_(value.to(p.grad.dtype).view_as(p.grad))
 
+    def _gradients_pending(self) -> bool:
+        return bool(self._handles or self._group_ready or self._passes_started())
+
     def step(self, closure: Any = None) -> Any:
-        self._synchronize_for_step()
+        closure = self._closure_for_step(closure)
         return self._wrapped_optimizer_class.step(self, closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         # Like Horovod, also refuse while gradients are half accumulated (fewer backward
         # passes than backward_passes_per_step): zeroing them would desynchronise the
         # countdowns from the gradients.
-        if self._handles or self._group_ready or self._passes_started():
+        if self._gradients_pending():
             raise AssertionError(ZERO_GRAD_RACE)
         # Bucketed gradients too: backward points them at their zeroed views again
         # (GradientBucket.fill).

@@ -136,6 +136,36 @@ class SynchronizeProtocol:
             self.synchronize()
         self._synchronized = False
 
+    def _gradients_pending(self) -> bool:
+        """Whether a backward pass since the last ``synchronize()`` left gradients to
+        reduce."""
+        return self._passes_started()
+
+    def _closure_for_step(self, closure: Any) -> Any:
+        """The start of ``step(closure)``: synchronizes unless told not to, and returns what
+        to hand the wrapped optimizer's ``step``.
+
+        A closure computes the gradients (its backward pass) that the wrapped optimizer
+        reads after each call, and LBFGS calls it several times a step: so they are reduced
+        as each call returns, and the step synchronizes first only where a backward pass
+        before it left gradients. Horovod synchronizes before the step only, so the wrapped
+        optimizer stepped on each rank's own gradients and the ranks' weights parted.
+        Inside ``skip_synchronize()`` the closure is handed on as it is.
+        """
+        if closure is None or not self._should_synchronize:
+            self._synchronize_for_step()
+            return closure
+        if self._gradients_pending():
+            self._synchronize_for_step()
+
+        def reduced() -> Any:
+            loss = closure()
+            self.synchronize()
+            self._synchronized = False  # synchronized by the step, not by the user
+            return loss
+
+        return reduced
+
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
         """Inside this block ``step()`` does not synchronize; use it after calling

@@ -422,6 +422,50 @@ def test_zero_grad_before_step_is_refused(
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("kind", ["per_tensor", "buckets", "groups", "gradient_allreduce"])
+@pytest.mark.parametrize("name", ["SGD", "LBFGS"])
+def test_gradients_a_closure_computes_are_reduced(
+    monkeypatch: pytest.MonkeyPatch, rank: int, size: int, kind: str, name: str
+) -> None:
+    """``step(closure)``: the gradients of the closure's backward pass are reduced before
+    the wrapped optimizer reads them, after every call (LBFGS makes several a step), so the
+    weights follow the single-process oracle's. (Horovod 0.28.1 synchronizes before the
+    step only: each rank stepped on its own gradients and the ranks' weights parted.)"""
+    with_buckets(monkeypatch, kind == "buckets")
+    model, ref = mlp(), mlp()
+
+    def make(params: Any) -> torch.optim.Optimizer:
+        if name == "LBFGS":
+            return torch.optim.LBFGS(params, lr=0.5, max_iter=4, history_size=3)
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    options: dict[str, Any] = {"groups": 1} if kind == "groups" else {}
+    if kind == "gradient_allreduce":
+        options["algorithm"] = kind
+    optimizer = hvd.DistributedOptimizer(make(model.parameters()),
+                                         named_parameters=model.named_parameters(), **options)
+    ref_optimizer = make(ref.parameters())
+    for step in range(3):
+
+        def closure(step: int = step) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = mse(model, rank, step)
+            loss.backward()
+            # LBFGS decides on the loss: every rank must see the same one.
+            return hvd.allreduce(loss.detach(), name="test.closure.loss")
+
+        def oracle(step: int = step) -> torch.Tensor:
+            ref_optimizer.zero_grad()
+            reference_backward(ref, mse, size, step)
+            with torch.no_grad():
+                return sum(mse(ref, r, step) for r in range(size)) / size
+
+        loss = optimizer.step(closure)
+        expected = ref_optimizer.step(oracle)
+        torch.testing.assert_close(loss, expected, atol=1e-10, rtol=1e-10)
+    assert_same_parameters(model, ref)
+
+
 def test_synchronize_then_clip(rank: int, size: int) -> None:
     """Horovod's gradient-clipping pattern: synchronize, clip, step without synchronizing."""
     model, ref = mlp(), mlp()

@@ -102,7 +102,7 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         self._synchronized = True
 
     def step(self, closure: Any = None) -> Any:
-        self._synchronize_for_step()
+        closure = self._closure_for_step(closure)
         base_step = functools.partial(self._wrapped_optimizer_class.step, self)  # type: ignore[misc]
         if self._impl is None:
             return base_step(closure)
