@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import io
 import re
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -774,6 +775,35 @@ def test_a_later_optimizer_of_any_kind_takes_the_parameters_over(
         for theirs in hvd.allgather_object(weights, name="test.replaced.weights"):
             for mine, their in zip(weights, theirs):
                 torch.testing.assert_close(mine, their, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["bytegrad", "decentralized", "async"])
+def test_a_dropped_algorithm_optimizer_is_closed(rank: int, size: int, kind: str) -> None:
+    """An algorithm optimizer that the user drops without ``close()`` is collected, and its
+    algorithm closed: its threads end, the async one's averaging with the other ranks
+    included. (Each dropped one left its threads running before, and the async one went
+    on averaging the dropped model with the other ranks.)"""
+    from baguahvd.torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
+
+    before = {thread.ident for thread in threading.enumerate()}
+    model = mlp().float()  # bytegrad compresses float32 gradients
+    algorithm: Any = AsyncModelAverageAlgorithm(sync_interval_ms=5) if kind == "async" else kind
+    optimizer = hvd.DistributedOptimizer(sgd(model.parameters()), algorithm=algorithm,
+                                         named_parameters=model.named_parameters())
+    for step in range(3):
+        optimizer.zero_grad()
+        x, y = data(rank, step)
+        nn.functional.mse_loss(model(x.float()), y.float()).backward()
+        optimizer.step()
+    started = [t for t in threading.enumerate() if t.ident not in before]
+    assert started, "the algorithm runs no thread of its own"
+    dropped = weakref.ref(optimizer)
+    del optimizer
+    gc.collect()
+    assert dropped() is None
+    for thread in started:
+        thread.join(timeout=30)
+        assert not thread.is_alive(), thread.name
 
 
 @pytest.mark.parametrize("buckets", [True, False, "groups"])

@@ -63,9 +63,14 @@ def test_link_figures_reject_impossible_values() -> None:
         LinkFigures(0.0, 0.0)
 
 
+_OPTIMIZERS: list[torch.optim.Optimizer] = []
+"""The optimizers of the contexts made below: a context holds its optimizer weakly."""
+
+
 def _context(optimizer_class: type[torch.optim.Optimizer]) -> AlgorithmContext:
     model = torch.nn.Linear(4, 2)
     optimizer = optimizer_class(model.parameters(), lr=0.1)
+    _OPTIMIZERS.append(optimizer)
     return AlgorithmContext(optimizer, list(model.named_parameters()), None)  # type: ignore[arg-type]
 
 

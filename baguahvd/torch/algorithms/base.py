@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -42,14 +43,30 @@ DEFAULT_BUCKET_BYTES = 10 * 1024 * 1024
 
 @dataclasses.dataclass
 class AlgorithmContext:
-    """What an algorithm is bound to."""
+    """What an algorithm is bound to.
 
-    optimizer: torch.optim.Optimizer
+    The optimizer is held weakly: an algorithm's threads, and the finalizer that closes it
+    once the user drops the optimizer, hold the algorithm, which must not keep the
+    optimizer alive.
+    """
+
+    optimizer_ref: dataclasses.InitVar[torch.optim.Optimizer]
     """The DistributedOptimizer (an instance of the user's optimizer class)."""
     parameters: list[tuple[str, torch.Tensor]]
     """Trainable parameters with their names, in the wrapped optimizer's order."""
     process_set: ProcessSet
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self, optimizer_ref: torch.optim.Optimizer) -> None:
+        self._optimizer = weakref.ref(optimizer_ref)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The DistributedOptimizer (an instance of the user's optimizer class)."""
+        optimizer = self._optimizer()
+        if optimizer is None:
+            raise ReferenceError("the optimizer this algorithm was bound to is gone")
+        return optimizer
 
     @property
     def size(self) -> int:

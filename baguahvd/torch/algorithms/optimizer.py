@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -71,6 +72,10 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
                 )
             for _, p in trainable:
                 self._hook_handles.append(self._claim(p))
+            # Dropped without close(): its algorithm's threads (and the async one's
+            # averaging with the other ranks) stop once the optimizer is collected.
+            self._finalizer = weakref.finalize(self, self._impl.close)
+            self._finalizer.atexit = False  # hvd.shutdown() closes what is left
 
     @property
     def algorithm_impl(self) -> Any:
@@ -119,6 +124,7 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
     def close(self) -> None:
         """Stops the algorithm's background work (also done at hvd.shutdown())."""
         if self._impl is not None:
+            self._finalizer.detach()
             self._impl.close()
             self._impl = None
         for handle in self._hook_handles:
