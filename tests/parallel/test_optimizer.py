@@ -785,7 +785,9 @@ def test_a_dropped_algorithm_optimizer_is_closed(rank: int, size: int, kind: str
     on averaging the dropped model with the other ranks.)"""
     from baguahvd.torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
 
-    before = {thread.ident for thread in threading.enumerate()}
+    # The threads themselves: an ident can be reused once a thread has ended, and an
+    # earlier test's algorithm thread may be ending now.
+    before = set(threading.enumerate())
     model = mlp().float()  # bytegrad compresses float32 gradients
     algorithm: Any = AsyncModelAverageAlgorithm(sync_interval_ms=5) if kind == "async" else kind
     optimizer = hvd.DistributedOptimizer(sgd(model.parameters()), algorithm=algorithm,
@@ -795,7 +797,7 @@ def test_a_dropped_algorithm_optimizer_is_closed(rank: int, size: int, kind: str
         x, y = data(rank, step)
         nn.functional.mse_loss(model(x.float()), y.float()).backward()
         optimizer.step()
-    started = [t for t in threading.enumerate() if t.ident not in before]
+    started = [t for t in threading.enumerate() if t not in before]
     assert started, "the algorithm runs no thread of its own"
     dropped = weakref.ref(optimizer)
     del optimizer
