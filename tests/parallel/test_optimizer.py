@@ -792,15 +792,19 @@ def test_a_dropped_algorithm_optimizer_is_closed(rank: int, size: int, kind: str
     algorithm: Any = AsyncModelAverageAlgorithm(sync_interval_ms=5) if kind == "async" else kind
     optimizer = hvd.DistributedOptimizer(sgd(model.parameters()), algorithm=algorithm,
                                          named_parameters=model.named_parameters())
+    # A scheduler patches the optimizer's step: a reference cycle, which the cyclic
+    # collector frees (on whichever thread triggers it).
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
     for step in range(3):
         optimizer.zero_grad()
         x, y = data(rank, step)
         nn.functional.mse_loss(model(x.float()), y.float()).backward()
         optimizer.step()
+        scheduler.step()
     started = [t for t in threading.enumerate() if t not in before]
     assert started, "the algorithm runs no thread of its own"
     dropped = weakref.ref(optimizer)
-    del optimizer
+    del optimizer, scheduler
     gc.collect()
     assert dropped() is None
     for thread in started:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from typing import Any
 
@@ -74,7 +75,7 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
                 self._hook_handles.append(self._claim(p))
             # Dropped without close(): its algorithm's threads (and the async one's
             # averaging with the other ranks) stop once the optimizer is collected.
-            self._finalizer = weakref.finalize(self, self._impl.close)
+            self._finalizer = weakref.finalize(self, _close_in_background, self._impl)
             self._finalizer.atexit = False  # hvd.shutdown() closes what is left
 
     @property
@@ -130,6 +131,14 @@ class _AlgorithmOptimizer(SynchronizeProtocol, torch.optim.Optimizer):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+
+
+def _close_in_background(impl: Any) -> None:
+    """Closes the algorithm of an optimizer the user dropped, on a thread of its own: the
+    optimizer may be collected on any thread (the cyclic collector runs on the one that
+    triggers it, the engine's or the algorithm's own included), and the async algorithm's
+    ``close()`` waits for the other ranks to stop averaging."""
+    threading.Thread(target=impl.close, name="baguahvd-close", daemon=True).start()
 
 
 def make_algorithm_optimizer(
