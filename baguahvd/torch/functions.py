@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import cloudpickle
@@ -25,6 +26,10 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
             of tensors or of ``(name, tensor)`` pairs (e.g. ``list(model.named_parameters())``).
         root_rank: the rank whose values everybody takes.
 
+    Values that are not tensors (a module's ``get_extra_state()`` in its state dict) cannot
+    be overwritten in place: they are left as they are, with a warning naming them (Horovod
+    fails on them with an ``AttributeError``); send them with :func:`broadcast_object`.
+
     Raises:
         ValueError: ``params`` is of another type (a generator must be turned into a list).
     """
@@ -35,13 +40,21 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
     else:
         raise ValueError(f"invalid params of type: {type(params)}")
     handles = []
-    for name, tensor in items:
+    skipped = []
+    for index, (name, tensor) in enumerate(items):
         if not isinstance(tensor, torch.Tensor):
+            skipped.append(f"{name if name is not None else index} ({type(tensor).__name__})")
             continue
         data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
         handles.append(broadcast_async_(data, root_rank, name=name))
     for handle in handles:
         synchronize(handle)
+    if skipped:
+        warnings.warn(
+            "broadcast_parameters left values that are not tensors as they are: "
+            f"{', '.join(skipped)}; send them with hvd.broadcast_object.",
+            stacklevel=2,
+        )
 
 
 class _Placeholder:

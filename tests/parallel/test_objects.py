@@ -155,6 +155,33 @@ def test_broadcast_parameters_keeps_autograd_working(rank: int, size: int) -> No
     assert all(p.grad is not None for p in model.parameters())
 
 
+class _WithExtraState(torch.nn.Linear):
+    """A module with a non-tensor entry in its state dict (``_extra_state``)."""
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"calls": 3}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        pass
+
+
+def test_broadcast_parameters_warns_of_what_is_not_a_tensor(rank: int, size: int) -> None:
+    """Values that are not tensors cannot be overwritten in place: the tensors are still
+    broadcast, and a warning names the others (Horovod fails with an AttributeError)."""
+    root = _root(size)
+    torch.manual_seed(rank)
+    module = _WithExtraState(3, 2)
+    state = module.state_dict()
+    with pytest.warns(UserWarning, match=r"not tensors as they are: _extra_state \(dict\)"):
+        hvd.broadcast_parameters(state, root_rank=root)
+    torch.manual_seed(root)
+    expected = torch.nn.Linear(3, 2)
+    assert torch.equal(module.weight, expected.weight)
+    assert torch.equal(module.bias, expected.bias)
+    with pytest.warns(UserWarning, match=r"not tensors as they are: 1 \(float\)"):
+        hvd.broadcast_parameters([torch.zeros(2), 1.5], root_rank=root)
+
+
 def test_broadcast_parameters_rejects_a_generator(size: int) -> None:
     model = _model(0)
     with pytest.raises(ValueError, match="invalid params of type"):

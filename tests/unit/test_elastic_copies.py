@@ -169,9 +169,11 @@ class _GatedStore(CheckpointStore):
     def __init__(self, folder: str) -> None:
         super().__init__(folder, host="node-a")
         self.go = threading.Event()
+        self.started = threading.Event()
         self.written: dict[int, list[float]] = {}
 
     def write(self, number: int, payload: Any) -> str:
+        self.started.set()
         assert self.go.wait(30.0), "the test never let the write go"
         weight = payload["handlers"]["model"]["weight"]
         self.written[number] = sorted(set(weight.flatten().tolist()))
@@ -192,6 +194,8 @@ def test_commits_made_during_a_write_leave_the_tensors_it_reads_alone(
         state.save()
         state._commits = number
         writer.submit(number, state._payload())
+        if number == 1:  # its write under way before the next commits come
+            assert store.started.wait(30.0), "the writer never started commit 1"
     store.go.set()
     writer.wait()
     # Commit 1 was being written throughout; 2 to 5 were superseded, 6 written last.
